@@ -1,0 +1,48 @@
+"""The one codec: msgpack via msgspec, typed decoding, version and epoch checks."""
+
+from __future__ import annotations
+
+import msgspec
+
+from protocol.errors import ProtocolError
+from protocol.messages import PROTOCOL_VERSION, Envelope, ReplyEnvelope
+
+_encoder = msgspec.msgpack.Encoder()
+_envelope_decoder = msgspec.msgpack.Decoder(Envelope)
+_reply_decoder = msgspec.msgpack.Decoder(ReplyEnvelope)
+
+
+def encode(message: Envelope | ReplyEnvelope) -> bytes:
+    return _encoder.encode(message)
+
+
+def _decode(decoder: msgspec.msgpack.Decoder, frame: bytes, epoch: int | None, what: str):
+    try:
+        message = decoder.decode(frame)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        reason = ProtocolError.UNKNOWN_TAG if "Invalid value" in text and "op`" in text else None
+        if reason is None and "Invalid value" in text and "phase`" in text:
+            reason = ProtocolError.UNKNOWN_TAG
+        raise ProtocolError(reason or ProtocolError.UNDECODABLE, f"{what}: {text}") from None
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(ProtocolError.UNDECODABLE, f"{what}: {exc}") from None
+    if message.proto != PROTOCOL_VERSION:
+        raise ProtocolError(
+            ProtocolError.WRONG_VERSION,
+            f"{what} has protocol version {message.proto}, expected {PROTOCOL_VERSION}",
+        )
+    if epoch is not None and message.epoch != epoch:
+        raise ProtocolError(
+            ProtocolError.FOREIGN_EPOCH, f"{what} has epoch {message.epoch}, expected {epoch}"
+        )
+    return message
+
+
+def decode_envelope(frame: bytes, epoch: int | None = None) -> Envelope:
+    """Decode a coordinator frame; ``epoch`` None accepts any epoch (a rank learning it)."""
+    return _decode(_envelope_decoder, frame, epoch, "command frame")
+
+
+def decode_reply(frame: bytes, epoch: int | None = None) -> ReplyEnvelope:
+    return _decode(_reply_decoder, frame, epoch, "reply frame")

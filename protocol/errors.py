@@ -1,0 +1,18 @@
+"""Typed errors for frames that must never be executed."""
+
+from __future__ import annotations
+
+
+class ProtocolError(Exception):
+    """A frame was rejected. ``reason`` is one of the class-level constants."""
+
+    UNDECODABLE = "undecodable"
+    UNKNOWN_TAG = "unknown_tag"
+    WRONG_VERSION = "wrong_version"
+    FOREIGN_EPOCH = "foreign_epoch"
+    UNAUTHENTICATED = "unauthenticated"
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"protocol error ({reason}): {detail}")
+        self.reason = reason
+        self.detail = detail

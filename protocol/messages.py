@@ -1,0 +1,287 @@
+"""Every command the coordinator sends and every reply a rank returns.
+
+This file is the wire contract. Each message is a frozen msgspec Struct; the ones that travel
+as the body of an envelope are members of a tagged union (the tag field is ``op``). Token ids
+and page tables travel packed as little-endian int32 bytes (see ``protocol.packing``), never as
+one msgpack object per token.
+
+Lifecycle of a rank, as seen on the wire::
+
+    rank  -> coordinator   Ready(capacity) | Failed(phase="startup:...")
+    coord -> every rank    Go(effective capacity, dist init) | Cancel(reason)
+    coord -> every rank    Envelope(Ping | Prefill | Decode | Unified | DropRequest | Precapture)*
+    rank  -> coordinator   ReplyEnvelope(Ack | DropAck | PrefillDone | DecodeDone | UnifiedDone | Failed)
+    coord -> every rank    Envelope(Shutdown)   (answered with Ack, then the rank exits)
+
+Rank 0 is the primary: it samples and returns the token payloads; every other rank answers a
+Prefill/Decode/Unified with Ack. A DropRequest is answered with DropAck by every rank.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+# ---------------------------------------------------------------------------------------------
+# Shared pieces
+# ---------------------------------------------------------------------------------------------
+
+
+class SamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
+    """How rank 0 picks a request's next token.
+
+    temperature 0 means greedy (ties go to the smallest id). top_k 0 and top_p 1.0 disable those
+    filters. With a seed, the draw depends only on (seed, position), never on the batch.
+    logprobs None returns no logprobs; N >= 0 returns the chosen token's logprob and the top N.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    logprobs: int | None = None
+
+
+class Capacity(msgspec.Struct, frozen=True):
+    """What one rank can hold. The coordinator takes the element-wise minimum over ranks.
+
+    kv_pages excludes the rank's reserved padding page. max_slots is the number of dense decode
+    slots (and of prefill staging states). max_batch_tokens bounds the tokens of one prefill step.
+    """
+
+    kv_pages: int
+    page_size: int
+    max_slots: int
+    max_batch_tokens: int
+
+
+# ---------------------------------------------------------------------------------------------
+# Startup gate
+# ---------------------------------------------------------------------------------------------
+
+
+class Ready(msgspec.Struct, frozen=True, tag="ready", tag_field="op"):
+    """A rank bound its device, loaded its shard and sized its capacity."""
+
+    capacity: Capacity
+    device: str
+    pid: int
+    host: str
+
+
+class Go(msgspec.Struct, frozen=True, tag="go", tag_field="op"):
+    """Start distributed init with this effective capacity (the minimum over ranks)."""
+
+    capacity: Capacity
+    dist_init_method: str
+    dist_backend: str
+
+
+class Cancel(msgspec.Struct, frozen=True, tag="cancel", tag_field="op"):
+    """Startup failed somewhere: exit without entering distributed init."""
+
+    reason: str
+
+
+class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat", tag_field="op"):
+    """Sent periodically by ranks the coordinator did not spawn, so it can notice them die."""
+
+    unix_time: float
+
+
+# ---------------------------------------------------------------------------------------------
+# Commands (coordinator -> every rank)
+# ---------------------------------------------------------------------------------------------
+
+
+class PrefillChunk(msgspec.Struct, frozen=True, array_like=True):
+    """One contiguous piece of one request's prompt.
+
+    ``start`` is the position of the chunk's first token (tokens already in the cache); the
+    first chunk of a request has start 0. ``page_ids`` is the request's whole page table so far
+    (packed int32), covering positions ``[0, start + len(tokens))``. On the ``last`` chunk rank 0
+    samples the request's first output token.
+    """
+
+    request_id: int
+    tokens: bytes
+    start: int
+    page_ids: bytes
+    last: bool
+    sampling: SamplingParams = SamplingParams()
+
+
+class DecodeRow(msgspec.Struct, frozen=True, array_like=True):
+    """One request's decode step: feed ``token`` at ``position`` from dense slot ``slot``.
+
+    On a request's first decode row the worker moves its prefill-owned state into ``slot``.
+    """
+
+    request_id: int
+    slot: int
+    token: int
+    position: int
+    page_ids: bytes
+    sampling: SamplingParams = SamplingParams()
+
+
+class Expectation(enum.Enum):
+    MUST_EXIST = "must_exist"
+    MUST_BE_ABSENT = "must_be_absent"
+
+
+class SlotMove(msgspec.Struct, frozen=True, array_like=True):
+    """Compaction that accompanies a retirement: ``request_id`` moves ``from_slot -> to_slot``."""
+
+    request_id: int
+    from_slot: int
+    to_slot: int
+
+
+class Ping(msgspec.Struct, frozen=True, tag="ping", tag_field="op"):
+    pass
+
+
+class Prefill(msgspec.Struct, frozen=True, tag="prefill", tag_field="op"):
+    chunks: list[PrefillChunk]
+
+
+class Decode(msgspec.Struct, frozen=True, tag="decode", tag_field="op"):
+    rows: list[DecodeRow]
+
+
+class Unified(msgspec.Struct, frozen=True, tag="unified", tag_field="op"):
+    """Prefill chunks and decode rows in one step; workers run the prefill part first."""
+
+    prefill: list[PrefillChunk]
+    decode: list[DecodeRow]
+
+
+class DropRequest(msgspec.Struct, frozen=True, tag="drop", tag_field="op"):
+    request_id: int
+    expectation: Expectation
+    move: SlotMove | None = None
+
+
+class Warmup(msgspec.Struct, frozen=True, tag="warmup", tag_field="phase"):
+    """One eager all-reduce per bucket size, so no collective connects lazily inside a capture."""
+
+
+class Capture(msgspec.Struct, frozen=True, tag="capture", tag_field="phase"):
+    bucket: int
+
+
+class Launch(msgspec.Struct, frozen=True, tag="launch", tag_field="phase"):
+    bucket: int
+
+
+class Finalize(msgspec.Struct, frozen=True, tag="finalize", tag_field="phase"):
+    """Every reachable bucket must be captured now; serving is replay-only from here."""
+
+
+PrecapturePhase = Warmup | Capture | Launch | Finalize
+
+
+class Precapture(msgspec.Struct, frozen=True, tag="precapture", tag_field="op"):
+    phase: PrecapturePhase
+
+
+class Shutdown(msgspec.Struct, frozen=True, tag="shutdown", tag_field="op"):
+    pass
+
+
+Command = Ping | Prefill | Decode | Unified | DropRequest | Precapture | Shutdown
+CoordinatorMessage = Command | Go | Cancel
+
+# ---------------------------------------------------------------------------------------------
+# Replies (every rank -> coordinator)
+# ---------------------------------------------------------------------------------------------
+
+
+class TokenResult(msgspec.Struct, frozen=True, array_like=True):
+    """A sampled token. ``logprob`` and the top lists are present when the row asked for them."""
+
+    request_id: int
+    token: int
+    logprob: float | None = None
+    top_ids: list[int] | None = None
+    top_logprobs: list[float] | None = None
+
+
+class Ack(msgspec.Struct, frozen=True, tag="ack", tag_field="op"):
+    pass
+
+
+class DropAck(msgspec.Struct, frozen=True, tag="drop_ack", tag_field="op"):
+    existed: bool
+
+
+class PrefillDone(msgspec.Struct, frozen=True, tag="prefill_done", tag_field="op"):
+    """One result per chunk marked ``last``; earlier chunks produce nothing."""
+
+    results: list[TokenResult]
+
+
+class DecodeDone(msgspec.Struct, frozen=True, tag="decode_done", tag_field="op"):
+    results: list[TokenResult]
+
+
+class UnifiedDone(msgspec.Struct, frozen=True, tag="unified_done", tag_field="op"):
+    prefill: list[TokenResult]
+    decode: list[TokenResult]
+
+
+class Failed(msgspec.Struct, frozen=True, tag="failed", tag_field="op"):
+    """The rank could not carry out a command (or start): it has poisoned itself and exits.
+
+    ``kind`` classifies the failure ("startup", "state", "execution", "protocol", "timeout");
+    ``phase`` names where it happened ("startup:load", "startup:dist_init", "decode", ...).
+    """
+
+    kind: str
+    message: str
+    phase: str
+    traceback: str = ""
+
+
+Reply = Ack | DropAck | PrefillDone | DecodeDone | UnifiedDone | Failed
+RankMessage = Reply | Ready | Heartbeat
+
+# Names used in validation error texts ("... returned {name} instead of ...").
+REPLY_NAMES: dict[type, str] = {
+    Ack: "acknowledgement",
+    DropAck: "drop acknowledgement",
+    PrefillDone: "prefill result",
+    DecodeDone: "decode result",
+    UnifiedDone: "unified result",
+    Failed: "failure",
+    Ready: "ready",
+    Heartbeat: "heartbeat",
+}
+
+# ---------------------------------------------------------------------------------------------
+# Envelopes
+# ---------------------------------------------------------------------------------------------
+
+
+class Envelope(msgspec.Struct, frozen=True):
+    """What the coordinator sends. ``epoch`` identifies one launch; ``seq`` grows by one per
+    dispatched command (startup messages use seq 0)."""
+
+    proto: int
+    epoch: int
+    seq: int
+    body: CoordinatorMessage
+
+
+class ReplyEnvelope(msgspec.Struct, frozen=True):
+    """What a rank sends back, echoing the envelope's epoch and seq."""
+
+    proto: int
+    epoch: int
+    rank: int
+    seq: int
+    body: RankMessage

@@ -1,0 +1,25 @@
+"""``phalanx bench KIND``: each benchmark lives in its own module ``tools/bench_<kind>.py``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "decode": ("tools.bench_decode", "decode step time and prefill time on random weights"),
+    "serve": ("tools.bench_serve", "TTFT / TPOT / ITL against a running server"),
+    "roundtrip": ("tools.bench_roundtrip", "protocol round trip to every rank, no model work"),
+    "load": ("tools.bench_load", "peak memory of one rank loading its shard"),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    kinds = parser.add_subparsers(dest="kind", required=True)
+    for kind, (module_name, help_text) in BENCHMARKS.items():
+        sub = kinds.add_parser(kind, help=help_text, description=help_text)
+        sub.set_defaults(_module=module_name)
+        importlib.import_module(module_name).add_arguments(sub)
+
+
+def run(args: argparse.Namespace) -> int:
+    return int(importlib.import_module(args._module).run(args) or 0)

@@ -1,0 +1,48 @@
+"""The ``phalanx`` command line. Each subcommand lives in its own module under ``tools/``.
+
+A subcommand module provides ``add_arguments(parser)`` and ``run(args) -> int``. Modules are
+imported only when their subcommand runs, so ``phalanx generate`` never pays for the server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("tools.serve", "OpenAI-compatible server (the embedded tiny demo model by default)"),
+    "generate": ("tools.generate", "generate a completion for one prompt"),
+    "worker": ("tools.worker", "run one rank (for torchrun / SLURM launches)"),
+    "replay": ("tools.replay", "show, summarise, re-run or diff a recorded protocol trace"),
+    "bench": ("tools.bench", "benchmarks: decode, serve, round trip, sharded load"),
+    "eval-mc": ("tools.eval_mc", "multiple-choice accuracy over the chat completions API"),
+    "make-tiny-model": ("tools.make_tiny_model", "write a tiny random Qwen3.5 checkpoint"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: phalanx COMMAND [ARGS...]", "", "commands:"]
+    lines += [f"  {name:<16} {help_text}" for name, (_, help_text) in SUBCOMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in SUBCOMMANDS:
+        print(f"phalanx: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module_name, help_text = SUBCOMMANDS[name]
+    module = importlib.import_module(module_name)
+    parser = argparse.ArgumentParser(prog=f"phalanx {name}", description=help_text)
+    module.add_arguments(parser)
+    args = parser.parse_args(rest)
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
