@@ -1,0 +1,169 @@
+"""Frame authentication for the TCP control plane: HMAC-SHA256 under a per-launch key.
+
+An authenticated frame is::
+
+    version (1 byte) | sender (uint32 LE) | counter (uint64 LE) | payload | HMAC-SHA256 tag (32 bytes)
+
+The tag covers everything before it. ``sender`` is a rank, or :data:`COORDINATOR`; ``counter``
+grows by one per frame a sender signs. A receiver accepts only the senders it expects (a rank
+never accepts a frame signed by a rank, so a reply cannot be reflected back as a command) and
+keeps, per sender, a sliding window of the counters it has seen: a counter seen before, or older
+than the window, is a replay and is dropped.
+
+The key must be fresh per launch (:func:`new_key`, or :func:`derive_launch_key` from a shared
+secret and the launch epoch), so frames recorded in one launch never verify in another.
+Every rejected frame raises ``ProtocolError(UNAUTHENTICATED)``, is counted in ``drops`` and is
+logged (the first few in full, then a summary at most once a second).
+"""
+
+from __future__ import annotations
+
+import collections
+import hmac
+import itertools
+import secrets
+import struct
+import threading
+import time
+from collections.abc import Iterable
+
+import structlog
+
+from protocol.errors import ProtocolError
+
+AUTH_VERSION = 1
+COORDINATOR = 0xFFFFFFFF
+KEY_BYTES = 32
+TAG_BYTES = 32
+REPLAY_WINDOW = 4096
+
+_HEADER = struct.Struct("<BIQ")
+_WINDOW_MASK = (1 << REPLAY_WINDOW) - 1
+OVERHEAD = _HEADER.size + TAG_BYTES
+_DETAILED_LOG_LINES = 10
+
+log = structlog.get_logger("phalanx.auth")
+
+
+def new_key() -> bytes:
+    """A fresh random key for one launch."""
+    return secrets.token_bytes(KEY_BYTES)
+
+
+def derive_launch_key(secret: bytes, epoch: int) -> bytes:
+    """The key of one launch from a long-lived shared secret (ranks started by torchrun/SLURM)."""
+    if len(secret) < 16:
+        raise ValueError(f"the shared secret has {len(secret)} bytes; at least 16 are required")
+    return hmac.digest(secret, b"phalanx launch key\x00" + epoch.to_bytes(8, "little"), "sha256")
+
+
+def sender_name(sender: int) -> str:
+    return "coordinator" if sender == COORDINATOR else f"rank {sender}"
+
+
+class _ReplayWindow:
+    """Counters seen from one sender: the highest, and a bitmap of the ``REPLAY_WINDOW`` below it."""
+
+    def __init__(self) -> None:
+        self.top = 0
+        self.seen = 0  # bit i set: counter (top - i) was accepted
+
+    def check(self, counter: int) -> str | None:
+        if counter > self.top:
+            return None
+        age = self.top - counter
+        if age >= REPLAY_WINDOW:
+            return f"counter {counter} is older than the replay window (newest {self.top})"
+        if self.seen >> age & 1:
+            return f"counter {counter} was already accepted (replayed frame)"
+        return None
+
+    def accept(self, counter: int) -> None:
+        if counter > self.top:
+            shift = counter - self.top
+            self.seen = ((self.seen << shift) | 1) & _WINDOW_MASK
+            self.top = counter
+        else:
+            self.seen |= 1 << (self.top - counter)
+
+
+class FrameAuthenticator:
+    """One endpoint's signer and verifier.
+
+    ``sender`` is this endpoint's identity (a rank or COORDINATOR); ``accept`` the senders whose
+    frames it takes (None: any sender except itself).
+    """
+
+    def __init__(self, key: bytes, sender: int, accept: Iterable[int] | None = None) -> None:
+        if len(key) < 16:
+            raise ValueError(f"the authentication key has {len(key)} bytes; at least 16 are required")
+        if not 0 <= sender <= COORDINATOR:
+            raise ValueError(f"sender {sender} is not a rank or the coordinator")
+        self._key = bytes(key)
+        self.sender = sender
+        self._accept = None if accept is None else frozenset(accept)
+        self._counter = itertools.count(1)
+        self._windows: dict[int, _ReplayWindow] = {}
+        self._lock = threading.Lock()
+        self.accepted = 0
+        self.drops: collections.Counter[str] = collections.Counter()
+        self._last_summary = 0.0
+
+    @property
+    def dropped(self) -> int:
+        return sum(self.drops.values())
+
+    def sign(self, payload: bytes) -> bytes:
+        header = _HEADER.pack(AUTH_VERSION, self.sender, next(self._counter))
+        body = header + payload
+        return body + hmac.digest(self._key, body, "sha256")
+
+    def verify(self, frame: bytes) -> bytes:
+        """Return the payload of an authentic, fresh frame; otherwise count, log and raise."""
+        if len(frame) < OVERHEAD:
+            self._drop("short", f"frame of {len(frame)} bytes is shorter than the {OVERHEAD}-byte minimum")
+        frame = bytes(frame)
+        version, sender, counter = _HEADER.unpack_from(frame)
+        body, tag = frame[:-TAG_BYTES], frame[-TAG_BYTES:]
+        if not hmac.compare_digest(hmac.digest(self._key, body, "sha256"), tag):
+            self._drop("bad_tag", f"frame claiming {sender_name(sender)} has a wrong HMAC tag")
+        if version != AUTH_VERSION:
+            self._drop("version", f"authenticated frame version {version}, expected {AUTH_VERSION}")
+        if sender == self.sender or (self._accept is not None and sender not in self._accept):
+            self._drop(
+                "sender", f"{sender_name(self.sender)} does not accept frames from {sender_name(sender)}"
+            )
+        with self._lock:
+            window = self._windows.setdefault(sender, _ReplayWindow())
+            problem = window.check(counter)
+            if problem is None:
+                window.accept(counter)
+                self.accepted += 1
+        if problem is not None:
+            self._drop("replay", f"{sender_name(sender)}: {problem}")
+        return body[_HEADER.size :]
+
+    # The transport's Framer interface: one payload <-> the frames that travel.
+    def seal(self, payload: bytes) -> list[bytes]:
+        return [self.sign(payload)]
+
+    def open(self, frames: list[bytes]) -> bytes:
+        if len(frames) != 1:
+            self._drop("framing", f"expected 1 frame, got {len(frames)}")
+        return self.verify(frames[0])
+
+    def _drop(self, reason: str, detail: str) -> None:
+        with self._lock:
+            self.drops[reason] += 1
+            total = sum(self.drops.values())
+            now = time.monotonic()
+            summarise = total > _DETAILED_LOG_LINES and now - self._last_summary >= 1.0
+            if summarise:
+                self._last_summary = now
+        if total <= _DETAILED_LOG_LINES:
+            log.warning("frame dropped", endpoint=sender_name(self.sender), reason=reason, detail=detail)
+        elif summarise:
+            log.warning(
+                "frames dropped", endpoint=sender_name(self.sender), total=total, by_reason=dict(self.drops)
+            )
+        raise ProtocolError(ProtocolError.UNAUTHENTICATED, detail)

@@ -1,0 +1,99 @@
+"""HMAC frame authentication: round trip, tampering, wrong key, reflection, replay window."""
+
+from __future__ import annotations
+
+import pytest
+
+from protocol.auth import (
+    COORDINATOR,
+    OVERHEAD,
+    REPLAY_WINDOW,
+    FrameAuthenticator,
+    derive_launch_key,
+    new_key,
+)
+from protocol.errors import ProtocolError
+
+
+def _pair(world: int = 2) -> tuple[FrameAuthenticator, list[FrameAuthenticator]]:
+    key = new_key()
+    coordinator = FrameAuthenticator(key, COORDINATOR, accept=range(world))
+    ranks = [FrameAuthenticator(key, r, accept=[COORDINATOR]) for r in range(world)]
+    return coordinator, ranks
+
+
+def _rejected(auth: FrameAuthenticator, frame: bytes, text: str) -> None:
+    before = auth.dropped
+    with pytest.raises(ProtocolError, match=text) as info:
+        auth.verify(frame)
+    assert info.value.reason == ProtocolError.UNAUTHENTICATED
+    assert auth.dropped == before + 1
+
+
+def test_round_trip_both_directions() -> None:
+    coordinator, ranks = _pair()
+    command = coordinator.sign(b"decode")
+    assert len(command) == len(b"decode") + OVERHEAD
+    assert ranks[0].verify(command) == b"decode"
+    assert ranks[1].verify(command) == b"decode"  # one signed frame may go to every rank
+    assert coordinator.verify(ranks[1].sign(b"ack")) == b"ack"
+    assert coordinator.open(ranks[0].seal(b"done")) == b"done"
+    assert coordinator.dropped == 0 and ranks[0].accepted == 1
+
+
+def test_every_flipped_bit_is_rejected() -> None:
+    coordinator, ranks = _pair()
+    frame = coordinator.sign(b"prefill payload")
+    for bit in range(len(frame) * 8):
+        damaged = bytearray(frame)
+        damaged[bit // 8] ^= 1 << (bit % 8)
+        _rejected(ranks[0], bytes(damaged), "wrong HMAC tag")
+    assert ranks[0].drops["bad_tag"] == len(frame) * 8
+    assert ranks[0].verify(frame) == b"prefill payload"  # the genuine frame still verifies
+
+
+def test_short_frame_wrong_key_and_unsigned_payload() -> None:
+    coordinator, ranks = _pair()
+    _rejected(ranks[0], b"", "shorter than the 45-byte minimum")
+    _rejected(ranks[0], b"\x00" * 100, "wrong HMAC tag")
+    stranger = FrameAuthenticator(new_key(), COORDINATOR)
+    _rejected(ranks[0], stranger.sign(b"decode"), "frame claiming coordinator has a wrong HMAC tag")
+    _rejected(ranks[0], coordinator.sign(b"x")[:-1], "wrong HMAC tag")
+    with pytest.raises(ProtocolError, match="expected 1 frame, got 2"):
+        ranks[0].open([b"a", b"b"])
+
+
+def test_reflected_reply_is_not_a_command() -> None:
+    coordinator, ranks = _pair()
+    reply = ranks[1].sign(b"ack")
+    _rejected(ranks[0], reply, "rank 0 does not accept frames from rank 1")
+    _rejected(ranks[1], reply, "rank 1 does not accept frames from rank 1")
+    echo = coordinator.sign(b"x")
+    _rejected(coordinator, echo, "coordinator does not accept frames from coordinator")
+
+
+def test_replayed_and_too_old_frames_are_dropped() -> None:
+    coordinator, ranks = _pair()
+    first = coordinator.sign(b"one")
+    second = coordinator.sign(b"two")
+    assert ranks[0].verify(second) == b"two"
+    assert ranks[0].verify(first) == b"one"  # reordered within the window: accepted once
+    _rejected(ranks[0], first, "counter 1 was already accepted")
+    _rejected(ranks[0], second, "counter 2 was already accepted")
+    frames = [coordinator.sign(b"n") for _ in range(REPLAY_WINDOW + 1)]
+    assert ranks[0].verify(frames[-1]) == b"n"
+    _rejected(ranks[0], frames[0], "older than the replay window")
+    assert ranks[0].verify(frames[1]) == b"n"  # just inside the window
+    assert ranks[0].drops == {"replay": 3}
+
+
+def test_launch_keys_differ_per_epoch() -> None:
+    secret = b"s" * 32
+    assert derive_launch_key(secret, 1) == derive_launch_key(secret, 1)
+    old = FrameAuthenticator(derive_launch_key(secret, 1), COORDINATOR)
+    new = FrameAuthenticator(derive_launch_key(secret, 2), 0, accept=[COORDINATOR])
+    _rejected(new, old.sign(b"decode"), "wrong HMAC tag")
+    with pytest.raises(ValueError, match="at least 16"):
+        derive_launch_key(b"short", 1)
+    with pytest.raises(ValueError, match="at least 16"):
+        FrameAuthenticator(b"short", 0)
