@@ -1,0 +1,116 @@
+"""ZeroMQ sockets between the coordinator and its ranks, and where their addresses live.
+
+Topology: the coordinator binds one ROUTER socket; every rank connects one DEALER socket (and,
+when it sends heartbeats, a second DEALER on its own thread). The ROUTER learns each rank's
+identity from the first frame it sends (Ready), then addresses commands to that identity.
+
+Addresses are ``ipc://`` paths in a private 0700 runtime directory by default (removed on exit),
+or ``tcp://host:port`` when ranks run on other machines.
+
+Every payload passes through one :class:`Framer` on its way out (``seal``) and in (``open``).
+The default framer is the identity; an authenticating framer (HMAC for TCP) plugs in there.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import tempfile
+
+import zmq
+
+from protocol.errors import ProtocolError
+
+
+class Framer:
+    """Turns one payload into the frames that travel, and back. Identity by default."""
+
+    def seal(self, payload: bytes) -> list[bytes]:
+        return [payload]
+
+    def open(self, frames: list[bytes]) -> bytes:
+        if len(frames) != 1:
+            raise ProtocolError(ProtocolError.UNDECODABLE, f"expected 1 frame, got {len(frames)}")
+        return frames[0]
+
+
+class RuntimeDir:
+    """A private (mode 0700) directory for ipc sockets; removed by :meth:`remove` or at exit."""
+
+    def __init__(self) -> None:
+        self.path = tempfile.mkdtemp(prefix="phalanx-")
+        os.chmod(self.path, 0o700)
+        atexit.register(self.remove)
+
+    def ipc_address(self, name: str = "control") -> str:
+        return f"ipc://{os.path.join(self.path, name)}.sock"
+
+    def remove(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+def _socket(context: zmq.Context, kind: int) -> zmq.Socket:
+    sock = context.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    return sock
+
+
+class CoordinatorSocket:
+    """The coordinator's ROUTER: ``send(identity, payload)`` and ``recv(timeout)``."""
+
+    def __init__(self, address: str, framer: Framer | None = None) -> None:
+        self._context = zmq.Context.instance()
+        self._framer = framer or Framer()
+        self.socket = _socket(self._context, zmq.ROUTER)
+        # A send to a peer that is gone raises instead of being dropped silently.
+        self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self.socket.bind(address)
+        self.address: str = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.dropped_frames = 0
+
+    def send(self, identity: bytes, payload: bytes) -> None:
+        self.socket.send_multipart([identity, *self._framer.seal(payload)], copy=False)
+
+    def recv(self, timeout_s: float) -> tuple[bytes, bytes] | None:
+        """One (identity, payload), or None when nothing arrives within ``timeout_s``."""
+        if not self.socket.poll(max(0, int(timeout_s * 1000))):
+            return None
+        return self.recv_ready()
+
+    def recv_ready(self) -> tuple[bytes, bytes]:
+        """Receive a message known to be waiting; raises ProtocolError for a bad framing."""
+        identity, *frames = self.socket.recv_multipart()
+        return identity, self._framer.open(frames)
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+
+
+class RankSocket:
+    """A rank's DEALER connected to the coordinator."""
+
+    def __init__(self, address: str, identity: bytes, framer: Framer | None = None) -> None:
+        self._context = zmq.Context.instance()
+        self._framer = framer or Framer()
+        self.socket = _socket(self._context, zmq.DEALER)
+        self.socket.setsockopt(zmq.IDENTITY, identity)
+        self.socket.connect(address)
+
+    def send(self, payload: bytes) -> None:
+        self.socket.send_multipart(self._framer.seal(payload), copy=False)
+
+    def recv(self, timeout_s: float | None) -> bytes | None:
+        """One payload, or None on timeout (``timeout_s`` None waits forever)."""
+        if timeout_s is not None and not self.socket.poll(max(0, int(timeout_s * 1000))):
+            return None
+        return self._framer.open(self.socket.recv_multipart())
+
+    def close(self, linger_ms: int = 2000) -> None:
+        """Close, giving queued replies (a final Failed or Ack) time to leave."""
+        self.socket.close(linger=linger_ms)
+
+
+def tcp_address(host: str, port: int) -> str:
+    return f"tcp://{host}:{port}"

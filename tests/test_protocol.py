@@ -1,0 +1,80 @@
+"""The wire contract: round trips, packed ids, and frames that must be rejected."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from protocol import PROTOCOL_VERSION, ProtocolError, decode_envelope, decode_reply, encode
+from protocol.messages import (
+    Decode,
+    DecodeDone,
+    DecodeRow,
+    DropRequest,
+    Envelope,
+    Expectation,
+    Prefill,
+    PrefillChunk,
+    ReplyEnvelope,
+    SamplingParams,
+    SlotMove,
+    TokenResult,
+)
+from protocol.packing import pack_ids, unpack_list
+
+
+def _envelope(body, epoch: int = 7, seq: int = 3) -> Envelope:
+    return Envelope(proto=PROTOCOL_VERSION, epoch=epoch, seq=seq, body=body)
+
+
+def test_commands_round_trip() -> None:
+    chunk = PrefillChunk(1, pack_ids([5, 6, 7]), 0, pack_ids([0]), True, SamplingParams(logprobs=2))
+    row = DecodeRow(2, 0, 9, 3, pack_ids([1, 4]), SamplingParams(temperature=0.5, seed=1))
+    for body in (
+        Prefill([chunk]),
+        Decode([row]),
+        DropRequest(3, Expectation.MUST_EXIST, SlotMove(4, 1, 0)),
+    ):
+        assert decode_envelope(encode(_envelope(body)), epoch=7).body == body
+
+
+def test_token_ids_travel_packed() -> None:
+    tokens = list(range(1000))
+    frame = encode(_envelope(Prefill([PrefillChunk(1, pack_ids(tokens), 0, pack_ids([0]), True)])))
+    # 4 bytes per id plus a small fixed overhead, not one msgpack object per token.
+    assert len(frame) < 4 * len(tokens) + 100
+    body = decode_envelope(frame).body
+    assert unpack_list(body.chunks[0].tokens) == tokens
+
+
+def test_reply_round_trip() -> None:
+    reply = ReplyEnvelope(PROTOCOL_VERSION, 7, 1, 3, DecodeDone([TokenResult(2, 11, -0.5, [11], [-0.5])]))
+    assert decode_reply(encode(reply), epoch=7) == reply
+
+
+def test_undecodable_frame_is_rejected() -> None:
+    with pytest.raises(ProtocolError) as info:
+        decode_envelope(b"\xc1\x00garbage")
+    assert info.value.reason == ProtocolError.UNDECODABLE
+
+
+def test_unknown_tag_is_rejected() -> None:
+    frame = msgspec.msgpack.encode(
+        {"proto": PROTOCOL_VERSION, "epoch": 1, "seq": 1, "body": {"op": "rm -rf"}}
+    )
+    with pytest.raises(ProtocolError) as info:
+        decode_envelope(frame)
+    assert info.value.reason == ProtocolError.UNKNOWN_TAG
+
+
+def test_wrong_version_is_rejected() -> None:
+    frame = encode(Envelope(proto=PROTOCOL_VERSION + 1, epoch=1, seq=1, body=Decode([])))
+    with pytest.raises(ProtocolError, match="protocol version") as info:
+        decode_envelope(frame)
+    assert info.value.reason == ProtocolError.WRONG_VERSION
+
+
+def test_foreign_epoch_is_rejected() -> None:
+    with pytest.raises(ProtocolError, match="epoch 8, expected 7") as info:
+        decode_reply(encode(ReplyEnvelope(PROTOCOL_VERSION, 8, 0, 1, DecodeDone([]))), epoch=7)
+    assert info.value.reason == ProtocolError.FOREIGN_EPOCH

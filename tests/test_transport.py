@@ -1,0 +1,71 @@
+"""Sockets and addresses: ipc in a private directory, tcp on a chosen interface, framing seam."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+
+from protocol import ProtocolError
+from protocol.transport import CoordinatorSocket, Framer, RankSocket, RuntimeDir, tcp_address
+
+
+def _round_trip(address: str, framer: Framer | None = None) -> None:
+    coordinator = CoordinatorSocket(address, framer)
+    rank = RankSocket(coordinator.address, b"rank-0", framer)
+    try:
+        rank.send(b"hello")
+        received = coordinator.recv(5.0)
+        assert received == (b"rank-0", b"hello")
+        coordinator.send(b"rank-0", b"world")
+        assert rank.recv(5.0) == b"world"
+        assert rank.recv(0.05) is None
+    finally:
+        rank.close(linger_ms=0)
+        coordinator.close()
+
+
+def test_ipc_in_private_directory_removed_on_exit() -> None:
+    runtime = RuntimeDir()
+    mode = stat.S_IMODE(os.stat(runtime.path).st_mode)
+    assert mode == 0o700
+    _round_trip(runtime.ipc_address())
+    runtime.remove()
+    assert not os.path.exists(runtime.path)
+
+
+def test_tcp_binds_a_free_port_on_the_given_interface() -> None:
+    coordinator = CoordinatorSocket(tcp_address("127.0.0.1", 0))
+    assert coordinator.address.startswith("tcp://127.0.0.1:")
+    address = coordinator.address
+    coordinator.close()
+    _round_trip(address)
+
+
+class _Tagged(Framer):
+    """A framer that adds a marker frame, standing in for an authenticating one."""
+
+    def seal(self, payload: bytes) -> list[bytes]:
+        return [b"tag", payload]
+
+    def open(self, frames: list[bytes]) -> bytes:
+        if frames[:1] != [b"tag"]:
+            raise ProtocolError(ProtocolError.UNAUTHENTICATED, "missing tag")
+        return frames[1]
+
+
+def test_every_frame_passes_through_the_framer() -> None:
+    runtime = RuntimeDir()
+    _round_trip(runtime.ipc_address(), _Tagged())
+    coordinator = CoordinatorSocket(runtime.ipc_address("other"), _Tagged())
+    plain = RankSocket(coordinator.address, b"rank-1")
+    try:
+        plain.send(b"untagged")
+        assert coordinator.socket.poll(5000)
+        with pytest.raises(ProtocolError, match="missing tag"):
+            coordinator.recv_ready()
+    finally:
+        plain.close(linger_ms=0)
+        coordinator.close()
+        runtime.remove()
