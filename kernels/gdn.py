@@ -1,0 +1,81 @@
+"""Gated DeltaNet references: gating and the delta-rule recurrence (fp32 state [slots, Hv, dk, dv])."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def gdn_gating_ref(
+    a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """g = -exp(A_log) * softplus(a + dt_bias) (a log decay, <= 0), beta = sigmoid(b); both fp32."""
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float(), beta=1.0, threshold=20.0)
+    return g, b.float().sigmoid()
+
+
+def _normalise_qk(
+    q: torch.Tensor, k: torch.Tensor, num_value_heads: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """L2-normalise q, k in fp32, scale q by dk^-1/2, and map value head h to key head h // ratio."""
+    ratio = num_value_heads // q.shape[-2]
+    qf, kf = q.float(), k.float()
+    qf = qf * torch.rsqrt(qf.pow(2).sum(-1, keepdim=True) + 1e-6) * q.shape[-1] ** -0.5
+    kf = kf * torch.rsqrt(kf.pow(2).sum(-1, keepdim=True) + 1e-6)
+    return qf.repeat_interleave(ratio, dim=-2), kf.repeat_interleave(ratio, dim=-2)
+
+
+def _delta_step(
+    state: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token for a batch of heads: state [..., dk, dv], q/k [..., dk], v [..., dv], g/beta [...]."""
+    state = state * g.exp()[..., None, None]
+    predicted = torch.einsum("...kv,...k->...v", state, k)
+    delta = beta[..., None] * (v - predicted)
+    state = state + k[..., :, None] * delta[..., None, :]
+    return state, torch.einsum("...kv,...k->...v", state, q)
+
+
+def gated_delta_rule_decode_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    state_slots: torch.Tensor,
+) -> torch.Tensor:
+    """One token per row: q, k [B, Hk, dk], v [B, Hv, dv]; the slot states advance in place."""
+    qf, kf = _normalise_qk(q, k, v.shape[1])
+    new_state, out = _delta_step(state[state_slots], qf, kf, v.float(), g.float(), beta.float())
+    state.index_copy_(0, state_slots, new_state)
+    return out.to(v.dtype)
+
+
+def gated_delta_rule_prefill_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    state_slots: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    has_initial_state: torch.Tensor,
+) -> torch.Tensor:
+    """Per chunk, the token recurrence from zero or the slot's state; the final state is written back."""
+    qf, kf = _normalise_qk(q, k, v.shape[1])
+    vf, gf, bf = v.float(), g.float(), beta.float()
+    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    bounds = cu_seqlens.tolist()
+    for i, (slot, has_state) in enumerate(zip(state_slots.tolist(), has_initial_state.tolist(), strict=True)):
+        current = state[slot].clone() if has_state else torch.zeros_like(state[slot])
+        for t in range(bounds[i], bounds[i + 1]):
+            current, out[t] = _delta_step(current, qf[t], kf[t], vf[t], gf[t], bf[t])
+        state[slot] = current
+    return out.to(v.dtype)

@@ -1,0 +1,177 @@
+"""The ops the model calls: CPU tensors run the torch references, CUDA tensors the Triton versions.
+
+Triton modules are imported inside each function, only when a CUDA tensor arrives, so the CPU path
+never imports CUDA-only code. Signatures and semantics are the contract in each reference's module.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kernels.activation import silu_and_mul_ref
+from kernels.attention import paged_decode_attention_ref, paged_prefill_attention_ref
+from kernels.conv1d import causal_conv1d_decode_ref, causal_conv1d_prefill_ref
+from kernels.gdn import gated_delta_rule_decode_ref, gated_delta_rule_prefill_ref, gdn_gating_ref
+from kernels.kv_cache import write_kv_ref
+from kernels.norms import gated_rms_norm_ref, rms_norm_ref
+from kernels.rope import apply_rope_ref, rope_cache
+
+__all__ = [
+    "apply_rope",
+    "causal_conv1d_decode",
+    "causal_conv1d_prefill",
+    "gated_delta_rule_decode",
+    "gated_delta_rule_prefill",
+    "gated_rms_norm",
+    "gdn_gating",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "rms_norm",
+    "rope_cache",
+    "silu_and_mul",
+    "write_kv",
+]
+
+_triton_cache: dict[str, Callable[..., Any]] = {}
+
+
+def _triton(module: str, name: str) -> Callable[..., Any]:
+    key = f"{module}.{name}"
+    fn = _triton_cache.get(key)
+    if fn is None:
+        fn = getattr(importlib.import_module(f"kernels.{module}_triton"), f"{name}_triton")
+        _triton_cache[key] = fn
+    return fn
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.is_cuda:
+        return _triton("norms", "rms_norm")(x, weight, eps, residual)
+    return rms_norm_ref(x, weight, eps, residual)
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.is_cuda:
+        return _triton("norms", "gated_rms_norm")(x, z, weight, eps)
+    return gated_rms_norm_ref(x, z, weight, eps)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    if x.is_cuda:
+        return _triton("activation", "silu_and_mul")(x)
+    return silu_and_mul_ref(x)
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    if x.is_cuda:
+        return _triton("rope", "apply_rope")(x, positions, cos_sin)
+    return apply_rope_ref(x, positions, cos_sin)
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor
+) -> None:
+    if k.is_cuda:
+        _triton("kv_cache", "write_kv")(k, v, k_cache, v_cache, slot_ids)
+    else:
+        write_kv_ref(k, v, k_cache, v_cache, slot_ids)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    if q.is_cuda:
+        return _triton("attention", "paged_decode_attention")(
+            q, k_cache, v_cache, page_table, seq_lens, scale
+        )
+    return paged_decode_attention_ref(q, k_cache, v_cache, page_table, seq_lens, scale)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_tables: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    starts: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    if q.is_cuda:
+        return _triton("attention", "paged_prefill_attention")(
+            q, k_cache, v_cache, page_tables, cu_seqlens, starts, scale
+        )
+    return paged_prefill_attention_ref(q, k_cache, v_cache, page_tables, cu_seqlens, starts, scale)
+
+
+def causal_conv1d_decode(
+    x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, state_slots: torch.Tensor
+) -> torch.Tensor:
+    if x.is_cuda:
+        return _triton("conv1d", "causal_conv1d_decode")(x, weight, conv_state, state_slots)
+    return causal_conv1d_decode_ref(x, weight, conv_state, state_slots)
+
+
+def causal_conv1d_prefill(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    state_slots: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    has_initial_state: torch.Tensor,
+) -> torch.Tensor:
+    if x.is_cuda:
+        return _triton("conv1d", "causal_conv1d_prefill")(
+            x, weight, conv_state, state_slots, cu_seqlens, has_initial_state
+        )
+    return causal_conv1d_prefill_ref(x, weight, conv_state, state_slots, cu_seqlens, has_initial_state)
+
+
+def gdn_gating(
+    a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if a.is_cuda:
+        return _triton("gdn", "gdn_gating")(a, b, A_log, dt_bias)
+    return gdn_gating_ref(a, b, A_log, dt_bias)
+
+
+def gated_delta_rule_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    state_slots: torch.Tensor,
+) -> torch.Tensor:
+    if q.is_cuda:
+        return _triton("gdn", "gated_delta_rule_decode")(q, k, v, g, beta, state, state_slots)
+    return gated_delta_rule_decode_ref(q, k, v, g, beta, state, state_slots)
+
+
+def gated_delta_rule_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    state_slots: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    has_initial_state: torch.Tensor,
+) -> torch.Tensor:
+    if q.is_cuda:
+        return _triton("gdn", "gated_delta_rule_prefill")(
+            q, k, v, g, beta, state, state_slots, cu_seqlens, has_initial_state
+        )
+    return gated_delta_rule_prefill_ref(q, k, v, g, beta, state, state_slots, cu_seqlens, has_initial_state)
