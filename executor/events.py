@@ -1,0 +1,36 @@
+"""What a request's stream yields: tokens, then exactly one final event (finish or error)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "cancelled"]
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token. An end-of-sequence token that stops the request is reported too."""
+
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+@dataclass(frozen=True)
+class FinishEvent:
+    reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class ErrorEvent:
+    message: str
+
+
+Event = TokenEvent | FinishEvent | ErrorEvent
+
+
+def is_final(event: Event) -> bool:
+    return isinstance(event, FinishEvent | ErrorEvent)

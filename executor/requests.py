@@ -1,0 +1,102 @@
+"""A request as the scheduler tracks it, its generation parameters and the request id allocator."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import math
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from executor.events import Event
+from protocol.messages import SamplingParams
+
+MAX_TOP_LOGPROBS = 20
+_INT64 = 1 << 63
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """Per-request generation settings. temperature 0 is greedy; top_k 0 and top_p 1 disable them."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field."""
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not -_INT64 <= self.seed < _INT64):
+            raise ValueError(f"seed must be a 64-bit signed integer, got {self.seed!r}")
+        if self.logprobs is not None and (
+            not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS
+        ):
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}")
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(
+            temperature=float(self.temperature),
+            top_k=self.top_k,
+            top_p=float(self.top_p),
+            seed=self.seed,
+            logprobs=self.logprobs,
+        )
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"  # queued; nothing reserved, nothing sent to the ranks
+    PREFILLING = "prefilling"  # slot and pages reserved; ``cursor`` prompt tokens are cached
+    READY = "ready"  # prompt cached, first token sampled; state still prefill-owned on the ranks
+    DECODING = "decoding"  # holds a dense decode slot
+    DONE = "done"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: int
+    prompt: list[int]
+    params: GenerationParams
+    emit: Callable[[Event], None]
+    sampling: SamplingParams = field(init=False)
+    phase: Phase = Phase.WAITING
+    pages: list[int] = field(default_factory=list)
+    cursor: int = 0  # prompt tokens already sent to the ranks
+    output: list[int] = field(default_factory=list)
+    cancelled: bool = False
+
+    def __post_init__(self) -> None:
+        self.sampling = self.params.sampling()
+
+    @property
+    def kv_tokens(self) -> int:
+        """Positions this request can ever cache: the last sampled token is never fed back."""
+        return len(self.prompt) + self.params.max_tokens - 1
+
+    @property
+    def next_position(self) -> int:
+        """Position of the token the next decode row feeds (the last output token)."""
+        return len(self.prompt) + len(self.output) - 1
+
+
+class RequestIds:
+    """Thread-safe request id allocator; ids start at 1 and are never 0."""
+
+    def __init__(self) -> None:
+        self._counter = itertools.count(1)
+        self._lock = threading.Lock()
+
+    def next(self) -> int:
+        with self._lock:
+            return next(self._counter)

@@ -1,0 +1,332 @@
+"""Continuous batching over the executor: admission, chunked prefill, dense decode, retirement.
+
+One tick (``step``) runs in this order:
+
+1. retire cancelled requests (a request never sent to the ranks is dropped with MustBeAbsent,
+   one with rank state with MustExist, one in a decode slot with MustExist plus the compaction);
+2. admit waiting requests in FIFO order while a decode slot and the pages for
+   ``prompt + max_tokens - 1`` positions are free (reserved for the request's whole life);
+3. plan: requests whose prompt is cached take the next dense slots, every slot gets a decode row,
+   and prompt chunks fill what is left of the step's token budget;
+4. dispatch one Prefill, Decode or Unified command;
+5. align the artifacts to the rows, decode results first: finished requests are retired (drop
+   with compaction) before their last token and finish event are published, then prompt results.
+
+The scheduler is single-threaded: the engine calls ``add``, ``cancel`` and ``step`` from its
+scheduler thread only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import structlog
+
+from executor.events import Event, FinishEvent, FinishReason, TokenEvent
+from executor.pages import PagePool, pages_for_tokens
+from executor.requests import Phase, Request
+from executor.slots import DenseSlots
+from protocol.messages import (
+    Capacity,
+    DecodeDone,
+    DecodeRow,
+    Expectation,
+    PrefillChunk,
+    PrefillDone,
+    SlotMove,
+    TokenResult,
+    UnifiedDone,
+)
+from protocol.packing import pack_ids
+
+log = structlog.get_logger("phalanx.scheduler")
+
+
+class StepExecutor(Protocol):
+    """The part of the executor the scheduler drives (see executor_api)."""
+
+    @property
+    def capacity(self) -> Capacity: ...
+
+    def prefill(self, chunks: list[PrefillChunk]) -> PrefillDone: ...
+
+    def decode(self, rows: list[DecodeRow]) -> DecodeDone: ...
+
+    def unified(self, chunks: list[PrefillChunk], rows: list[DecodeRow]) -> UnifiedDone: ...
+
+    def drop(self, request_id: int, expectation: Expectation, move: SlotMove | None = None) -> None: ...
+
+
+class ArtifactError(RuntimeError):
+    """Rank 0's results do not match the rows of the step: the replica can no longer be trusted."""
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    running: int
+    waiting: int
+    kv_pages_used: int
+    kv_pages_total: int
+    slots_used: int
+    slots_total: int
+    steps: int
+    last_step_seconds: float
+
+
+def align_results(op: str, results: Sequence[TokenResult], expected: Sequence[int]) -> dict[int, TokenResult]:
+    """Exactly one result per expected request id, in any order."""
+    wanted = set(expected)
+    aligned: dict[int, TokenResult] = {}
+    for result in results:
+        if result.request_id not in wanted:
+            raise ArtifactError(
+                f"invalid {op} artifact set: returned unknown or non-final request id {result.request_id}"
+            )
+        if result.request_id in aligned:
+            raise ArtifactError(
+                f"invalid {op} artifact set: returned duplicate request id {result.request_id}"
+            )
+        aligned[result.request_id] = result
+    for request_id in expected:
+        if request_id not in aligned:
+            raise ArtifactError(f"invalid {op} artifact set: is missing final request id {request_id}")
+    return aligned
+
+
+def token_event(result: TokenResult) -> TokenEvent:
+    top = None
+    if result.top_ids is not None and result.top_logprobs is not None:
+        top = list(zip(result.top_ids, result.top_logprobs, strict=True))
+    return TokenEvent(token_id=result.token, logprob=result.logprob, top_logprobs=top)
+
+
+class Scheduler:
+    def __init__(
+        self, executor: StepExecutor, eos_token_ids: Sequence[int], *, max_batch_tokens: int | None = None
+    ) -> None:
+        capacity = executor.capacity
+        self.executor = executor
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.pages = PagePool(capacity.kv_pages, capacity.page_size)
+        self.slots = DenseSlots(capacity.max_slots)
+        self.max_batch_tokens = min(capacity.max_batch_tokens, max_batch_tokens or capacity.max_batch_tokens)
+        self.waiting: deque[Request] = deque()
+        self.prefilling: list[Request] = []
+        self.ready: list[Request] = []
+        self.requests: dict[int, Request] = {}
+        self.steps = 0
+        self.last_step_seconds = 0.0
+
+    # -- intake -----------------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        needed = pages_for_tokens(request.kv_tokens, self.pages.page_size)
+        if needed > self.pages.total:
+            raise ValueError(
+                f"request {request.request_id} needs {needed} KV pages for {request.kv_tokens} positions "
+                f"but the pool has {self.pages.total}"
+            )
+        if request.request_id in self.requests or request.request_id == 0:
+            raise ValueError(f"request id {request.request_id} is invalid or already in use")
+        self.waiting.append(request)
+        self.requests[request.request_id] = request
+
+    def cancel(self, request_id: int) -> None:
+        """Mark an open request cancelled; it is retired at the start of the next tick."""
+        request = self.requests.get(request_id)
+        if request is not None:
+            request.cancelled = True
+
+    def has_work(self) -> bool:
+        return bool(self.requests)
+
+    def open_requests(self) -> list[Request]:
+        return list(self.requests.values())
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            running=len(self.prefilling) + len(self.ready) + len(self.slots),
+            waiting=len(self.waiting),
+            kv_pages_used=self.pages.used,
+            kv_pages_total=self.pages.total,
+            slots_used=self._slots_reserved(),
+            slots_total=self.slots.capacity,
+            steps=self.steps,
+            last_step_seconds=self.last_step_seconds,
+        )
+
+    # -- one tick ---------------------------------------------------------------------------
+
+    def step(self) -> bool:
+        """Run one tick; returns whether a step command was dispatched."""
+        self._retire_cancelled()
+        self._admit()
+        rows = self._plan_decode()
+        planned = self._plan_prefill(self.max_batch_tokens - len(rows))
+        chunks = [chunk for _, chunk in planned]
+        if not rows and not chunks:
+            return False
+        started = time.perf_counter()
+        decoded: Sequence[TokenResult] = ()
+        prefilled: Sequence[TokenResult] = ()
+        if rows and chunks:
+            done = self.executor.unified(chunks, rows)
+            decoded, prefilled = done.decode, done.prefill
+        elif rows:
+            decoded = self.executor.decode(rows).results
+        else:
+            prefilled = self.executor.prefill(chunks).results
+        op = "unified" if rows and chunks else "decode" if rows else "prefill"
+        self._apply_decode(op, rows, decoded)
+        self._apply_prefill(op, planned, prefilled)
+        self.steps += 1
+        self.last_step_seconds = time.perf_counter() - started
+        return True
+
+    def _slots_reserved(self) -> int:
+        return len(self.slots) + len(self.ready) + len(self.prefilling)
+
+    def _retire_cancelled(self) -> None:
+        for request in [r for r in self.requests.values() if r.cancelled]:
+            self._retire(request, "cancelled", held=())
+
+    def _admit(self) -> None:
+        while self.waiting and self._slots_reserved() < self.slots.capacity:
+            request = self.waiting[0]
+            needed = pages_for_tokens(request.kv_tokens, self.pages.page_size)
+            if not self.pages.can_allocate(needed):
+                return  # FIFO: later requests wait behind the head rather than starve it
+            self.waiting.popleft()
+            request.pages = self.pages.allocate(needed)
+            request.phase = Phase.PREFILLING
+            self.prefilling.append(request)
+
+    def _plan_decode(self) -> list[DecodeRow]:
+        for request in self.ready:
+            self.slots.admit(request.request_id)
+            request.phase = Phase.DECODING
+        self.ready.clear()
+        rows = []
+        for slot, request_id in enumerate(self.slots.owners):
+            request = self.requests[request_id]
+            position = request.next_position
+            page_ids = request.pages[: pages_for_tokens(position + 1, self.pages.page_size)]
+            rows.append(
+                DecodeRow(
+                    request_id=request_id,
+                    slot=slot,
+                    token=request.output[-1],
+                    position=position,
+                    page_ids=pack_ids(page_ids),
+                    sampling=request.sampling,
+                )
+            )
+        return rows
+
+    def _plan_prefill(self, budget: int) -> list[tuple[Request, PrefillChunk]]:
+        planned = []
+        for request in self.prefilling:
+            if budget <= 0:
+                break
+            end = min(len(request.prompt), request.cursor + budget)
+            budget -= end - request.cursor
+            chunk = PrefillChunk(
+                request_id=request.request_id,
+                tokens=pack_ids(request.prompt[request.cursor : end]),
+                start=request.cursor,
+                page_ids=pack_ids(request.pages[: pages_for_tokens(end, self.pages.page_size)]),
+                last=end == len(request.prompt),
+                sampling=request.sampling,
+            )
+            planned.append((request, chunk))
+        return planned
+
+    # -- results ----------------------------------------------------------------------------
+
+    def _finish_reason(self, request: Request) -> FinishReason | None:
+        if not request.params.ignore_eos and request.output[-1] in self.eos_token_ids:
+            return "stop"
+        if len(request.output) >= request.params.max_tokens:
+            return "length"
+        return None
+
+    def _apply_decode(self, op: str, rows: list[DecodeRow], results: Sequence[TokenResult]) -> None:
+        if not rows:
+            if results:
+                raise ArtifactError(
+                    f"invalid {op} artifact set: {len(results)} decode results for no decode rows"
+                )
+            return
+        aligned = align_results(op, results, [row.request_id for row in rows])
+        finished: list[tuple[int, Request, TokenEvent, FinishReason]] = []
+        for row in rows:
+            request = self.requests[row.request_id]
+            event = token_event(aligned[row.request_id])
+            request.output.append(event.token_id)
+            reason = self._finish_reason(request)
+            if reason is None:
+                request.emit(event)
+            else:
+                finished.append((row.slot, request, event, reason))
+        # Highest slot first: each retirement then moves as few requests as possible.
+        for _, request, event, reason in sorted(finished, key=lambda item: item[0], reverse=True):
+            self._retire(request, reason, held=(event,))
+
+    def _apply_prefill(
+        self, op: str, planned: list[tuple[Request, PrefillChunk]], results: Sequence[TokenResult]
+    ) -> None:
+        aligned = align_results(op, results, [chunk.request_id for _, chunk in planned if chunk.last])
+        for request, chunk in planned:
+            request.cursor += len(chunk.tokens) // 4
+            if not chunk.last:
+                continue
+            self.prefilling.remove(request)
+            self.ready.append(request)
+            request.phase = Phase.READY
+            event = token_event(aligned[request.request_id])
+            request.output.append(event.token_id)
+            reason = self._finish_reason(request)
+            if reason is None:
+                request.emit(event)
+            else:
+                self._retire(request, reason, held=(event,))
+
+    # -- retirement -------------------------------------------------------------------------
+
+    def _retire(self, request: Request, reason: FinishReason, held: Sequence[Event]) -> None:
+        """Drop the request's rank state, free its slot and pages, then publish its ending.
+
+        The last token and the finish event are held until every rank acknowledged the drop, so
+        a client never sees a request complete whose state a rank still holds.
+        """
+        expectation, move = Expectation.MUST_EXIST, None
+        if request.phase is Phase.WAITING:
+            self.waiting.remove(request)
+            expectation = Expectation.MUST_BE_ABSENT
+        elif request.phase is Phase.PREFILLING:
+            self.prefilling.remove(request)
+            if request.cursor == 0:
+                expectation = Expectation.MUST_BE_ABSENT
+        elif request.phase is Phase.READY:
+            self.ready.remove(request)
+        elif request.phase is Phase.DECODING:
+            move = self.slots.retire(request.request_id)
+        else:
+            raise RuntimeError(f"request {request.request_id} retired twice")
+        self.executor.drop(request.request_id, expectation, move)
+        self.pages.release(request.pages)
+        request.pages = []
+        request.phase = Phase.DONE
+        del self.requests[request.request_id]
+        log.debug("request retired", request_id=request.request_id, reason=reason, move=move)
+        for event in held:
+            request.emit(event)
+        request.emit(
+            FinishEvent(
+                reason=reason, prompt_tokens=len(request.prompt), completion_tokens=len(request.output)
+            )
+        )

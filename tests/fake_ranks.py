@@ -1,0 +1,178 @@
+"""A test double that stands in for the ranks behind the executor, for scheduler unit tests.
+
+It keeps the state a worker keeps (prefill staging, the dense slot map, page ownership) and
+checks every command the way a worker does, raising ``RankStateError`` on any mismatch. Its
+"model" samples a token from a hash of the request's own fed tokens (and seed), so a request's
+output depends only on what the scheduler fed it: if the scheduler misplaces a token, a position
+or a page, the output changes or a check fires.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+from protocol.messages import (
+    Capacity,
+    DecodeDone,
+    DecodeRow,
+    Expectation,
+    PrefillChunk,
+    PrefillDone,
+    SamplingParams,
+    SlotMove,
+    TokenResult,
+    UnifiedDone,
+)
+from protocol.packing import unpack_list
+
+
+class RankStateError(RuntimeError):
+    pass
+
+
+@dataclass
+class _State:
+    fed: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)
+    prompt_done: bool = False
+    last_sampled: int | None = None
+
+
+def fake_token(fed: list[int], sampling: SamplingParams, vocab: int) -> int:
+    digest = hashlib.blake2b(repr((fed, sampling.seed, sampling.temperature > 0)).encode(), digest_size=8)
+    return int.from_bytes(digest.digest(), "little") % vocab
+
+
+class FakeRanks:
+    def __init__(self, capacity: Capacity, vocab: int = 64) -> None:
+        self.capacity = capacity
+        self.vocab = vocab
+        self.staging: dict[int, _State] = {}
+        self.slot_map: list[int | None] = [None] * capacity.max_slots
+        self.slot_state: dict[int, _State] = {}
+        self.commands: list[tuple[str, object]] = []
+        self.fail_on_drop_of: int | None = None
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def live_requests(self) -> set[int]:
+        return set(self.staging) | set(self.slot_state)
+
+    def _check_pages(self, request_id: int, state: _State, pages: list[int], tokens: int) -> None:
+        expected = -(-tokens // self.capacity.page_size)
+        if len(pages) != expected:
+            raise RankStateError(f"request {request_id}: {len(pages)} pages for {tokens} positions")
+        if pages[: len(state.pages)] != state.pages[: len(pages)]:
+            raise RankStateError(f"request {request_id}: page table changed")
+        for page in pages:
+            if not 0 <= page < self.capacity.kv_pages:
+                raise RankStateError(f"request {request_id}: page {page} out of range")
+        others = self.staging | self.slot_state
+        for other_id, other in others.items():
+            if other_id != request_id and set(other.pages) & set(pages):
+                raise RankStateError(f"request {request_id} shares pages with request {other_id}")
+        state.pages = pages
+
+    def _check_dense(self) -> None:
+        occupied = [owner is not None for owner in self.slot_map]
+        if occupied != sorted(occupied, reverse=True):
+            raise RankStateError(f"slot map has holes: {self.slot_map}")
+
+    # -- commands ---------------------------------------------------------------------------
+
+    def _prefill(self, chunks: list[PrefillChunk]) -> list[TokenResult]:
+        if sum(len(c.tokens) // 4 for c in chunks) > self.capacity.max_batch_tokens:
+            raise RankStateError("prefill over the token budget")
+        results = []
+        for chunk in chunks:
+            tokens = unpack_list(chunk.tokens)
+            if not tokens:
+                raise RankStateError(f"empty chunk for request {chunk.request_id}")
+            if chunk.request_id in self.slot_state:
+                raise RankStateError(f"request {chunk.request_id} is already in decode state")
+            if chunk.start == 0:
+                if chunk.request_id in self.staging:
+                    raise RankStateError(f"request {chunk.request_id} restarted its prefill")
+                if len(self.staging) + len(self.slot_state) >= self.capacity.max_slots:
+                    raise RankStateError("prefill chunks would exceed worker capacity")
+                self.staging[chunk.request_id] = _State()
+            state = self.staging.get(chunk.request_id)
+            if state is None or state.prompt_done or len(state.fed) != chunk.start:
+                raise RankStateError(f"request {chunk.request_id}: chunk start {chunk.start} out of order")
+            self._check_pages(chunk.request_id, state, unpack_list(chunk.page_ids), chunk.start + len(tokens))
+            state.fed.extend(tokens)
+            if chunk.last:
+                state.prompt_done = True
+                state.last_sampled = fake_token(state.fed, chunk.sampling, self.vocab)
+                results.append(TokenResult(chunk.request_id, state.last_sampled))
+        return results
+
+    def _decode(self, rows: list[DecodeRow]) -> list[TokenResult]:
+        results = []
+        for index, row in enumerate(rows):
+            if row.slot != index:
+                raise RankStateError(f"row {index} uses slot {row.slot}")
+            owner = self.slot_map[row.slot]
+            if owner is None:
+                state = self.staging.pop(row.request_id, None)
+                if state is None or not state.prompt_done:
+                    raise RankStateError(f"request {row.request_id} is not ready for decode")
+                self.slot_map[row.slot] = row.request_id
+                self.slot_state[row.request_id] = state
+            elif owner != row.request_id:
+                raise RankStateError(f"slot {row.slot} owned by {owner}, row names {row.request_id}")
+            state = self.slot_state[row.request_id]
+            if row.token != state.last_sampled or row.position != len(state.fed):
+                raise RankStateError(f"request {row.request_id}: wrong token or position {row.position}")
+            self._check_pages(row.request_id, state, unpack_list(row.page_ids), row.position + 1)
+            state.fed.append(row.token)
+            state.last_sampled = fake_token(state.fed, row.sampling, self.vocab)
+            results.append(TokenResult(row.request_id, state.last_sampled))
+        if len(rows) != sum(owner is not None for owner in self.slot_map):
+            raise RankStateError("decode does not cover every occupied slot")
+        self._check_dense()
+        return results
+
+    def prefill(self, chunks: list[PrefillChunk]) -> PrefillDone:
+        self.commands.append(("prefill", chunks))
+        return PrefillDone(results=list(reversed(self._prefill(chunks))))
+
+    def decode(self, rows: list[DecodeRow]) -> DecodeDone:
+        self.commands.append(("decode", rows))
+        return DecodeDone(results=list(reversed(self._decode(rows))))
+
+    def unified(self, chunks: list[PrefillChunk], rows: list[DecodeRow]) -> UnifiedDone:
+        self.commands.append(("unified", (chunks, rows)))
+        if not chunks or not rows:
+            raise RankStateError("unified step needs both halves")
+        if {c.request_id for c in chunks} & {r.request_id for r in rows}:
+            raise RankStateError("request in both prefill and decode")
+        return UnifiedDone(prefill=self._prefill(chunks), decode=self._decode(rows))
+
+    def drop(self, request_id: int, expectation: Expectation, move: SlotMove | None = None) -> None:
+        self.commands.append(("drop", (request_id, expectation, move)))
+        if request_id == self.fail_on_drop_of:
+            raise RankStateError(f"injected drop failure for request {request_id}")
+        existed = request_id in self.live_requests()
+        if existed != (expectation is Expectation.MUST_EXIST):
+            raise RankStateError(f"drop of {request_id} expected {expectation}, existed={existed}")
+        if request_id in self.staging:
+            if move is not None:
+                raise RankStateError(f"drop of staged request {request_id} carries a slot compaction")
+            del self.staging[request_id]
+            return
+        if not existed:
+            if move is not None:
+                raise RankStateError(f"drop of absent request {request_id} carries a slot compaction")
+            return
+        del self.slot_state[request_id]
+        slot = self.slot_map.index(request_id)
+        if move is None:
+            self.slot_map[slot] = None
+        else:
+            if move.to_slot != slot or self.slot_map[move.from_slot] != move.request_id:
+                raise RankStateError(f"bad compaction {move} for slot map {self.slot_map}")
+            self.slot_map[move.to_slot] = move.request_id
+            self.slot_map[move.from_slot] = None
+        self._check_dense()
