@@ -1,0 +1,160 @@
+"""``phalanx replay show|stats|diff`` over synthetic traces (``run`` is covered with real ranks)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from protocol import (
+    PROTOCOL_VERSION,
+    Ack,
+    Capacity,
+    Decode,
+    DecodeDone,
+    DecodeRow,
+    DropAck,
+    DropRequest,
+    Envelope,
+    Expectation,
+    Failed,
+    Go,
+    Prefill,
+    PrefillChunk,
+    PrefillDone,
+    Ready,
+    ReplyEnvelope,
+    SlotMove,
+    TokenResult,
+    encode,
+    pack_ids,
+)
+from protocol.trace import open_trace, read_trace
+from tools.cli import main as phalanx
+
+EPOCH = 9
+CAP = Capacity(kv_pages=8, page_size=4, max_slots=2, max_batch_tokens=64)
+
+
+def _cmd(seq: int, body: object) -> bytes:
+    return encode(Envelope(PROTOCOL_VERSION, EPOCH, seq, body))
+
+
+def _reply(rank: int, seq: int, body: object) -> bytes:
+    return encode(ReplyEnvelope(PROTOCOL_VERSION, EPOCH, rank, seq, body))
+
+
+def _record(path: Path, second_token: int = 8, pid: int = 100) -> Path:
+    """Startup, one prefill, two decode steps and a drop, at TP = 2."""
+    with open_trace(path, epoch=EPOCH, world_size=2, meta={"tp": 2}) as w:
+        for rank in (0, 1):
+            w.received(_reply(rank, 0, Ready(CAP, "cpu", pid + rank, "host")))
+        w.sent(_cmd(0, Go(CAP, "tcp://127.0.0.1:1", "gloo")))
+        chunk = PrefillChunk(3, pack_ids([1, 2, 3]), 0, pack_ids([0]), True)
+        w.sent(_cmd(1, Prefill([chunk])))
+        w.received(_reply(1, 1, Ack()))
+        w.received(_reply(0, 1, PrefillDone([TokenResult(3, 7)])))
+        for seq, (token, out) in enumerate([(7, second_token), (second_token, 9)], start=2):
+            w.sent(_cmd(seq, Decode([DecodeRow(3, 0, token, seq + 1, pack_ids([0]))])))
+            w.received(_reply(0, seq, DecodeDone([TokenResult(3, out, -0.5)])))
+            w.received(_reply(1, seq, Ack()))
+        w.sent(_cmd(4, DropRequest(3, Expectation.MUST_EXIST, SlotMove(4, 1, 0))))
+        w.received(_reply(0, 4, DropAck(True)))
+        w.received(_reply(1, 4, DropAck(True)))
+    return path
+
+
+def test_show_prints_one_line_per_message(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _record(tmp_path / "a.trace")
+    assert phalanx(["replay", "show", str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == len(read_trace(path).entries) == 15
+    assert "recv <-0   seq=0     ready cpu pid=100@host kv_pages=8 slots=2" in lines[0]
+    assert "send ->all seq=1     prefill 1 chunks: r3[0:3]pages=1+last" in lines[3]
+    assert "recv <-0   seq=2     decode_done r3->8(-0.500)" in lines[7]
+    assert lines[12].endswith("seq=4     drop r3 must_exist move r4 s1->s0")
+
+
+def test_show_filters_by_seq_and_rank(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _record(tmp_path / "a.trace")
+    assert phalanx(["replay", "show", str(path), "--seq", "2:3", "--rank", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[3:6] for line in lines] == [
+        ["->all", "seq=2", "decode"],
+        ["<-1", "seq=2", "ack"],
+        ["->all", "seq=3", "decode"],
+        ["<-1", "seq=3", "ack"],
+    ]
+
+
+def test_stats_counts_and_latency(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _record(tmp_path / "a.trace")
+    assert phalanx(["replay", "stats", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "trace epoch=9 world_size=2 messages=15" in out
+    assert "commands  decode=2 drop=1 go=1 prefill=1" in out
+    assert "replies rank 0   decode_done=2 drop_ack=1 prefill_done=1 ready=1" in out
+    assert "replies rank 1   ack=3 drop_ack=1 ready=1" in out
+    assert "  decode     rank 0   n=2 " in out and "  decode     rank 1   n=2 " in out
+    assert "  prefill    n=1 " in out
+    assert "incomplete steps=0" in out and "undecodable frames=0 torn_bytes=0" in out
+
+
+def test_stats_reports_an_unanswered_step_and_torn_tail(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _record(tmp_path / "a.trace")
+    with path.open("ab") as f:
+        f.write(b"\x10\x00\x00\x00abc")
+    trace = read_trace(path)
+    assert trace.torn_bytes == 7
+    path2 = tmp_path / "b.trace"
+    with open_trace(path2, epoch=EPOCH, world_size=2) as w:
+        w.sent(_cmd(1, Decode([])))
+        w.received(_reply(1, 1, Failed("execution", "boom", "decode")))
+        w.received(b"\x01\x02", rank=0)
+    assert phalanx(["replay", "stats", str(path2)]) == 0
+    out = capsys.readouterr().out
+    assert "incomplete steps=1 (first seq 1)" in out and "undecodable frames=1" in out
+    assert phalanx(["replay", "show", str(path2)]) == 0
+    out = capsys.readouterr().out
+    assert "failed execution in decode: boom" in out and "undecodable 2 bytes: protocol error" in out
+
+
+def test_diff_agrees_ignoring_pids(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    a = _record(tmp_path / "a.trace", pid=100)
+    b = _record(tmp_path / "b.trace", pid=555)
+    assert phalanx(["replay", "diff", str(a), str(b)]) == 0
+    assert capsys.readouterr().out.strip() == "the traces agree"
+
+
+def test_diff_names_the_first_divergence(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    a = _record(tmp_path / "a.trace")
+    b = _record(tmp_path / "b.trace", second_token=6)
+    assert phalanx(["replay", "diff", str(a), str(b)]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "first divergence at step 2 (seq 2 in A, seq 2 in B): rank 0 replied differently"
+    assert out[1] == "  A: decode_done r3->8(-0.500)"
+    assert out[2] == "  B: decode_done r3->6(-0.500)"
+
+
+def test_diff_reports_a_shorter_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    a = _record(tmp_path / "a.trace")
+    b = tmp_path / "b.trace"
+    b.write_bytes(a.read_bytes())
+    full = read_trace(a)
+    with open_trace(b, epoch=EPOCH, world_size=2, meta={"tp": 2}) as w:
+        for e in full.entries[:12]:
+            (w.sent if e.direction.value == "send" else w.received)(e.frame, e.rank)
+    assert phalanx(["replay", "diff", str(a), str(b)]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "first divergence at step 4: only A continues (5 steps in A, 4 in B)"
+    assert out[1] == "  A: drop r3 must_exist move r4 s1->s0"
+
+
+def test_unreadable_trace_is_a_clean_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad"
+    bad.write_bytes(b"nope")
+    assert phalanx(["replay", "show", str(bad)]) == 2
+    assert "is not a phalanx trace" in capsys.readouterr().err
+    assert phalanx(["replay", "stats", str(tmp_path / "missing")]) == 2
