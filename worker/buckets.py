@@ -1,0 +1,75 @@
+"""Decode batch buckets and the graph slot reserve.
+
+A CUDA graph replays fixed shapes, so decode batches are padded up to a bucket and one graph is
+captured per bucket. ``bucket_for(n)`` is the smallest bucket that holds ``n`` rows.
+
+In graph mode a rank keeps one fixed-address recurrent/conv state per graph row: a bucket-``b``
+graph reads and writes the state slots named by its rows, and its padding rows need free slots
+too, so the decode slot region must hold ``bucket_for(max_batch)`` states. That region (the graph
+slot reserve) is taken out of free memory before the rest of capacity is sized, and it is sized
+by the *effective* bucket: reserving for the requested batch could starve a tight-memory rank to
+zero (``size_graph_slot_reserve``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from protocol.buckets import DECODE_BUCKETS, MAX_GRAPH_BATCH, bucket_for, buckets_up_to
+
+__all__ = [
+    "DECODE_BUCKETS",
+    "MAX_GRAPH_BATCH",
+    "SlotReserve",
+    "bucket_for",
+    "buckets_up_to",
+    "size_graph_slot_reserve",
+    "smaller_bucket",
+]
+
+
+def smaller_bucket(bucket: int) -> int | None:
+    """The next bucket below ``bucket``, or None below the smallest."""
+    index = DECODE_BUCKETS.index(bucket)
+    return DECODE_BUCKETS[index - 1] if index > 0 else None
+
+
+@dataclass(frozen=True)
+class SlotReserve:
+    """The outcome of sizing: how many requests decode together, and the slots held for graphs.
+
+    ``max_batch`` is the effective decode batch (0 when not even one request fits);
+    ``graph_slots`` = ``bucket_for(max_batch)`` states are reserved, ``reserve_bytes`` of memory.
+    """
+
+    max_batch: int
+    graph_slots: int
+    reserve_bytes: int
+
+
+def size_graph_slot_reserve(
+    requested: int, free_bytes: int, slot_bytes: int, capacity_for: Callable[[int], int]
+) -> SlotReserve:
+    """Fit the decode batch and its graph slot reserve into ``free_bytes``.
+
+    ``capacity_for(budget_bytes)`` is the caller's ordinary capacity math: how many requests (at
+    most ``requested``) fit in what is left once the reserve is taken. Start from
+    ``bucket_for(requested)``; reserve that many slots; fit capacity into the rest; if the fitted
+    batch lands in a smaller bucket, shrink the reserve to that bucket and fit again. The bucket
+    only shrinks, so this ends, and the final ``bucket_for(max_batch)`` never exceeds the reserve.
+    """
+    if requested < 1:
+        raise ValueError(f"requested decode batch {requested} must be at least 1")
+    if slot_bytes < 0:
+        raise ValueError(f"state bytes per slot {slot_bytes} must not be negative")
+    slot_bucket: int | None = bucket_for(min(requested, MAX_GRAPH_BATCH))
+    while slot_bucket is not None:
+        reserve = slot_bucket * slot_bytes
+        fitted = min(capacity_for(free_bytes - reserve), slot_bucket) if reserve <= free_bytes else 0
+        if fitted >= 1 and bucket_for(fitted) >= slot_bucket:
+            return SlotReserve(max_batch=fitted, graph_slots=slot_bucket, reserve_bytes=reserve)
+        # Nothing fits beside this reserve: try the next smaller bucket; otherwise the fitted
+        # batch's own bucket, which is smaller than this one.
+        slot_bucket = bucket_for(fitted) if fitted >= 1 else smaller_bucket(slot_bucket)
+    return SlotReserve(max_batch=0, graph_slots=0, reserve_bytes=0)

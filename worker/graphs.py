@@ -1,0 +1,363 @@
+"""The decode graph runner: one CUDA graph per batch bucket, replayed from static input buffers.
+
+Decode rows are copied into static buffers (tokens, positions, state slots, page table) sized for
+the largest bucket; a batch of ``n`` rows runs the graph of ``bucket_for(n)``, whose extra rows
+are padding: token 0 at position 0, every page the padding KV page (page id ``kv_pages``), and a
+free state slot each, so their KV writes and state updates land where nobody reads. Their logits
+are discarded. Recurrent and conv state live at fixed addresses in the model's state pool and are
+indexed by slot, so a graph never needs re-capturing when requests move between slots. Page
+tables are refreshed outside the graph every step (a host-to-device copy into the static table).
+
+Graphs are made only by the pre-capture sweep, in lockstep across ranks, one phase per command:
+``Warmup`` (one eager all-reduce per bucket size, and one eager step per bucket so every kernel
+is compiled and tuned before capture), ``Capture(b)`` (record and instantiate, no launch),
+``Launch(b)`` (replay and synchronise, so captured collectives pair up across ranks), and
+``Finalize`` (every bucket captured). Serving is replay-only: a capture while serving would
+desynchronise recorded collectives across ranks.
+
+Where graphs cannot be used (on CPU, or when the model reports that its decode kernels cannot be
+captured for this geometry) the runner runs the very same bucketed static buffers, padding rows
+and sweep eagerly ("eager static-buffer" mode), and says so once in the log.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection
+from dataclasses import dataclass
+
+import structlog
+import torch
+
+from models.qwen35 import DecodeBatch
+from protocol.messages import Capture, Finalize, Launch, PrecapturePhase, Warmup
+from worker.buckets import bucket_for, buckets_up_to
+
+log = structlog.get_logger("phalanx.graphs")
+
+_GATE_LOGGED: set[str] = set()
+
+
+class GraphError(RuntimeError):
+    """A graph phase arrived out of order, or a batch does not fit the captured shapes."""
+
+
+@dataclass(frozen=True)
+class GraphGeometry:
+    """Shapes the runner is built for.
+
+    ``max_batch`` is the effective decode batch (all buckets up to ``bucket_for(max_batch)`` are
+    captured); ``max_pages`` is the page-table width of every row; ``padding_page`` is the
+    reserved padding KV page; ``slot_count`` is the number of state slots padding rows may use
+    (slots ``0..slot_count-1``; at least the top bucket); ``hidden_size`` and ``dtype`` shape the
+    warm-up all-reduce.
+    """
+
+    max_batch: int
+    max_pages: int
+    padding_page: int
+    slot_count: int
+    hidden_size: int
+    dtype: torch.dtype
+    world_size: int = 1
+
+
+def graph_blocker(model: object, device: torch.device) -> str | None:
+    """Why decode on this device and model cannot be captured, or None when it can."""
+    if device.type != "cuda":
+        return f"device {device.type} has no CUDA graphs"
+    if not torch.cuda.is_available():
+        return "CUDA is not available in this process"
+    model_reason = getattr(model, "decode_graph_blocker", None)
+    if callable(model_reason):
+        reason = model_reason()
+        if reason:
+            return str(reason)
+    return None
+
+
+def _log_gate_once(reason: str, rank: int) -> None:
+    if reason in _GATE_LOGGED:
+        return
+    _GATE_LOGGED.add(reason)
+    log.warning("CUDA graph requested but decode stays eager on static buffers", reason=reason, rank=rank)
+
+
+def padding_slots(
+    real_slots: list[int], bucket: int, slot_count: int, occupied: Collection[int]
+) -> list[int]:
+    """Free state slots for the ``bucket - len(real_slots)`` padding rows, lowest first.
+
+    A slot is free when no row of this batch and no live request (``occupied``) uses it. Dense
+    batches (rows in slots ``0..n-1``, nothing live above) take ``n..bucket-1`` directly.
+    """
+    n = len(real_slots)
+    needed = bucket - n
+    if needed == 0:
+        return []
+    if real_slots == list(range(n)) and all(s < n for s in occupied) and bucket <= slot_count:
+        return list(range(n, bucket))
+    taken = set(real_slots).union(occupied)
+    free = [s for s in range(slot_count) if s not in taken][:needed]
+    if len(free) < needed:
+        raise GraphError(
+            f"decode bucket {bucket} needs {needed} padding state slots but only {len(free)} of "
+            f"{slot_count} are free"
+        )
+    return free
+
+
+class DecodeGraphRunner:
+    """Bucketed static-buffer decode for one rank, with CUDA graphs where they can be used."""
+
+    def __init__(
+        self, model: object, geometry: GraphGeometry, device: torch.device, *, rank: int = 0
+    ) -> None:
+        if geometry.max_pages < 1:
+            raise ValueError(f"graph page-table width {geometry.max_pages} must be at least 1")
+        self.model = model
+        self.geometry = geometry
+        self.device = device
+        self.rank = rank
+        self.buckets = buckets_up_to(geometry.max_batch)
+        top = self.buckets[-1]
+        if geometry.slot_count < top:
+            raise ValueError(
+                f"graph bucket {top} needs {top} state slots for its rows, the runner has {geometry.slot_count}"
+            )
+        blocker = graph_blocker(model, device)
+        self.uses_cuda_graphs = blocker is None
+        if blocker is not None:
+            _log_gate_once(blocker, rank)
+
+        self._tokens = torch.zeros(top, dtype=torch.int64, device=device)
+        self._positions = torch.zeros(top, dtype=torch.int64, device=device)
+        self._slots = torch.arange(top, dtype=torch.int64, device=device)
+        self._page_table = torch.full(
+            (top, geometry.max_pages), geometry.padding_page, dtype=torch.int32, device=device
+        )
+        pin = device.type == "cuda"
+        self._host_tokens = torch.zeros(top, dtype=torch.int64, pin_memory=pin)
+        self._host_positions = torch.zeros(top, dtype=torch.int64, pin_memory=pin)
+        self._host_slots = torch.zeros(top, dtype=torch.int64, pin_memory=pin)
+
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[int, torch.Tensor] = {}
+        self._pool: tuple[int, int] | None = None
+        # Set after each step's host-to-device copies: pinned staging is reused only once they ran.
+        self._staged: torch.cuda.Event | None = None
+        self._warmed = False
+        self._captured: set[int] = set()
+        self._launched: set[int] = set()
+        self.finalized = False
+        self.replays = 0
+        self.eager_steps = 0
+
+    # ------------------------------------------------------------------ the pre-capture sweep
+
+    def run_phase(self, phase: PrecapturePhase) -> None:
+        """Carry out one phase of the pre-capture sweep (one Precapture command)."""
+        if self.finalized:
+            raise GraphError(f"pre-capture phase {_phase_name(phase)} after Finalize; serving is replay-only")
+        if isinstance(phase, Warmup):
+            self._warmup()
+        elif isinstance(phase, Capture):
+            self._capture(self._known_bucket(phase.bucket, "capture"))
+        elif isinstance(phase, Launch):
+            self._launch(self._known_bucket(phase.bucket, "launch"))
+        elif isinstance(phase, Finalize):
+            self._finalize()
+        else:
+            raise GraphError(f"unknown pre-capture phase {phase!r}")
+
+    def _known_bucket(self, bucket: int, what: str) -> int:
+        if bucket not in self.buckets:
+            raise GraphError(
+                f"pre-capture {what} of bucket {bucket}, which is not one of this rank's buckets {list(self.buckets)}"
+            )
+        return bucket
+
+    def _warmup(self) -> None:
+        started = time.perf_counter()
+        for bucket in self.buckets:
+            if self.geometry.world_size > 1:
+                import torch.distributed as dist
+
+                probe = torch.zeros(
+                    bucket, self.geometry.hidden_size, dtype=self.geometry.dtype, device=self.device
+                )
+                dist.all_reduce(probe)
+            self._stage_padding_only(bucket)
+            self._eager(bucket)
+        self._synchronize()
+        self._warmed = True
+        log.info(
+            "decode graph warm-up done",
+            rank=self.rank,
+            buckets=list(self.buckets),
+            seconds=round(time.perf_counter() - started, 3),
+        )
+
+    def _capture(self, bucket: int) -> None:
+        if not self._warmed:
+            raise GraphError(f"pre-capture capture of bucket {bucket} before Warmup")
+        if bucket in self._captured:
+            raise GraphError(f"pre-capture capture of bucket {bucket}, which is already captured")
+        started = time.perf_counter()
+        before = _memory_in_use(self.device)
+        self._stage_padding_only(bucket)
+        if self.uses_cuda_graphs:
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            batch = self._static_batch(bucket, pages=self.geometry.max_pages)
+            # torch.cuda.graph records and instantiates; it does not launch (Launch does).
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                output = self.model.decode(batch)
+            self._graphs[bucket] = graph
+            self._outputs[bucket] = output
+            self._synchronize()
+        self._captured.add(bucket)
+        log.info(
+            "decode graph captured",
+            rank=self.rank,
+            bucket=bucket,
+            cuda_graph=self.uses_cuda_graphs,
+            seconds=round(time.perf_counter() - started, 3),
+            memory_mib=round((_memory_in_use(self.device) - before) / 2**20, 1),
+        )
+
+    def _launch(self, bucket: int) -> None:
+        if bucket not in self._captured:
+            raise GraphError(f"pre-capture launch of bucket {bucket} before its capture")
+        started = time.perf_counter()
+        self._stage_padding_only(bucket)
+        if self.uses_cuda_graphs:
+            self._graphs[bucket].replay()
+        else:
+            self._eager(bucket)
+        self._synchronize()
+        self._launched.add(bucket)
+        log.info(
+            "decode graph launched",
+            rank=self.rank,
+            bucket=bucket,
+            seconds=round(time.perf_counter() - started, 4),
+        )
+
+    def _finalize(self) -> None:
+        for bucket in self.buckets:
+            if bucket not in self._captured or bucket not in self._launched:
+                raise GraphError(f"decode graph pre-capture left bucket {bucket} uncaptured")
+        self.finalized = True
+        log.info(
+            "decode graph pre-capture finalized",
+            rank=self.rank,
+            buckets=list(self.buckets),
+            cuda_graph=self.uses_cuda_graphs,
+        )
+
+    # ------------------------------------------------------------------ serving
+
+    def decode(self, batch: DecodeBatch, occupied_slots: Collection[int] = ()) -> torch.Tensor:
+        """Logits ``[n, vocab]`` for the batch's ``n`` rows, from the bucket's graph (replay only).
+
+        ``batch`` holds host tensors. ``occupied_slots`` are the state slots of live requests
+        outside this batch; padding rows never touch them. In CUDA-graph mode the result is a
+        view of the graph's static output, valid until the next decode.
+        """
+        if not self.finalized:
+            raise GraphError("decode before the graph pre-capture sweep finalized; serving is replay-only")
+        n = int(batch.tokens.shape[0])
+        if n > self.buckets[-1]:
+            raise GraphError(
+                f"decode batch of {n} rows exceeds the largest captured bucket {self.buckets[-1]}"
+            )
+        bucket = bucket_for(n)
+        pages = self._stage_rows(batch, bucket, occupied_slots)
+        if self.uses_cuda_graphs:
+            self._graphs[bucket].replay()
+            self.replays += 1
+            return self._outputs[bucket][:n]
+        return self._eager(bucket, pages=pages)[:n]
+
+    def release(self) -> None:
+        """Drop every graph (before the process group goes: graphs hold its collectives)."""
+        if self._graphs:
+            self._synchronize()
+        self._graphs.clear()
+        self._outputs.clear()
+        self._pool = None
+        self._captured.clear()
+        self._launched.clear()
+        self.finalized = False
+
+    # ------------------------------------------------------------------ static buffers
+
+    def _stage_rows(self, batch: DecodeBatch, bucket: int, occupied: Collection[int]) -> int:
+        n = int(batch.tokens.shape[0])
+        if self._staged is not None:
+            self._staged.synchronize()
+        real_slots = batch.state_slots.tolist()
+        pad = padding_slots(real_slots, bucket, self.geometry.slot_count, occupied)
+        width = int(batch.page_table.shape[1])
+        if width > self.geometry.max_pages:
+            raise GraphError(
+                f"decode row page table has {width} pages, more than the graph page-table width "
+                f"{self.geometry.max_pages}"
+            )
+        self._host_tokens[:n].copy_(batch.tokens)
+        self._host_tokens[n:bucket].zero_()
+        self._host_positions[:n].copy_(batch.positions)
+        self._host_positions[n:bucket].zero_()
+        self._host_slots[:n].copy_(batch.state_slots)
+        if pad:
+            self._host_slots[n:bucket].copy_(torch.tensor(pad, dtype=torch.int64))
+        self._tokens[:bucket].copy_(self._host_tokens[:bucket], non_blocking=True)
+        self._positions[:bucket].copy_(self._host_positions[:bucket], non_blocking=True)
+        self._slots[:bucket].copy_(self._host_slots[:bucket], non_blocking=True)
+        # Columns past a row's own pages keep older (valid) page ids: a kernel reads only up
+        # to the row's position. Padding rows sit at position 0, so only column 0 matters.
+        self._page_table[:n, :width].copy_(batch.page_table, non_blocking=True)
+        self._page_table[n:bucket, 0].fill_(self.geometry.padding_page)
+        if self.device.type == "cuda":
+            self._staged = torch.cuda.Event()
+            self._staged.record()
+        return max(width, 1)
+
+    def _stage_padding_only(self, bucket: int) -> None:
+        """Every row padding: what the sweep captures and launches (all slots are free then)."""
+        self._tokens[:bucket].zero_()
+        self._positions[:bucket].zero_()
+        self._slots[:bucket].copy_(torch.arange(bucket, dtype=torch.int64))
+        self._page_table[:bucket].fill_(self.geometry.padding_page)
+
+    def _static_batch(self, bucket: int, pages: int) -> DecodeBatch:
+        return DecodeBatch(
+            tokens=self._tokens[:bucket],
+            positions=self._positions[:bucket],
+            state_slots=self._slots[:bucket],
+            page_table=self._page_table[:bucket, :pages],
+        )
+
+    def _eager(self, bucket: int, pages: int = 1) -> torch.Tensor:
+        # Eager runs need not read the whole page-table width; graphs are captured at full width.
+        width = self.geometry.max_pages if self.uses_cuda_graphs else pages
+        self.eager_steps += 1
+        return self.model.decode(self._static_batch(bucket, pages=width))
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def _memory_in_use(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free
+
+
+def _phase_name(phase: PrecapturePhase) -> str:
+    bucket = getattr(phase, "bucket", None)
+    return type(phase).__name__ if bucket is None else f"{type(phase).__name__}({bucket})"
