@@ -1,0 +1,249 @@
+"""The engine API: submit prompts, stream their tokens, cancel them; one scheduler thread behind it.
+
+``Engine.start(config)`` launches the ranks (blocking) and starts the scheduler thread. Callers on
+any thread use ``submit`` / ``cancel`` / ``stats``; those only touch the inbox and published
+snapshots, never the scheduler, which lives on its own thread.
+
+Every request ends with exactly one final event. When a step fails (the executor is poisoned, or
+rank 0's results do not match the step) the engine is poisoned: every open request gets one
+``ErrorEvent``, the ranks are shut down, and ``submit`` raises from then on.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import structlog
+
+from executor.errors import ExecutorPoisoned
+from executor.events import ErrorEvent, Event, FinishEvent, TokenEvent
+from executor.requests import GenerationParams, Request, RequestIds
+from executor.scheduler import Scheduler, SchedulerStats, StepExecutor
+from executor.stream import RequestStream
+
+__all__ = [
+    "Engine",
+    "EngineConfig",
+    "EngineModelInfo",
+    "EngineStats",
+    "ErrorEvent",
+    "Event",
+    "FinishEvent",
+    "GenerationParams",
+    "RequestStream",
+    "TokenEvent",
+]
+
+log = structlog.get_logger("phalanx.engine")
+
+EngineStats = SchedulerStats
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_dir: str | Path
+    tp: int = 1
+    device: str = "cpu"
+    max_slots: int = 16
+    kv_pages: int = 512
+    page_size: int = 16
+    max_batch_tokens: int = 2048
+    step_timeout: float = 300.0
+    startup_timeout: float = 120.0
+    cuda_graph: bool = False
+    transport: str = "ipc"
+    executor_options: dict[str, Any] = field(default_factory=dict)  # further ExecutorConfig fields
+
+
+@dataclass(frozen=True)
+class EngineModelInfo:
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    max_context: int  # max_position_embeddings, bounded by what the KV pool can hold
+    max_position_embeddings: int
+    model_name: str
+    model_dir: str
+
+
+class EngineExecutor(StepExecutor, Protocol):
+    """What the engine needs beyond the scheduler's part of the executor."""
+
+    model_info: Any
+    poison_reason: str | None
+
+    def shutdown(self) -> None: ...
+
+
+def launch(config: EngineConfig) -> EngineExecutor:
+    from executor.launcher import ExecutorConfig, launch_executor
+
+    executor_config = ExecutorConfig(
+        model_dir=str(config.model_dir),
+        tp=config.tp,
+        device=config.device,
+        max_slots=config.max_slots,
+        kv_pages=config.kv_pages,
+        page_size=config.page_size,
+        max_batch_tokens=config.max_batch_tokens,
+        step_timeout=config.step_timeout,
+        startup_timeout=config.startup_timeout,
+        cuda_graph=config.cuda_graph,
+        transport=config.transport,
+        **config.executor_options,
+    )
+    return launch_executor(executor_config)
+
+
+_STOP = object()
+
+
+class Engine:
+    def __init__(self, executor: EngineExecutor, model_dir: str | Path = "") -> None:
+        self._executor = executor
+        info = executor.model_info
+        capacity = executor.capacity
+        self.model_info = EngineModelInfo(
+            vocab_size=info.vocab_size,
+            eos_token_ids=tuple(info.eos_token_ids),
+            max_context=min(info.max_position_embeddings, capacity.kv_pages * capacity.page_size),
+            max_position_embeddings=info.max_position_embeddings,
+            model_name=Path(model_dir).name or "model",
+            model_dir=str(model_dir),
+        )
+        self._scheduler = Scheduler(executor, self.model_info.eos_token_ids)
+        self._ids = RequestIds()
+        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._open: dict[int, RequestStream] = {}
+        self._closed_reason: str | None = None  # set once: poisoned or shut down
+        self.poison_reason: str | None = None
+        self._stats = self._scheduler.stats()
+        self._thread = threading.Thread(target=self._run, name="phalanx-scheduler", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def start(
+        cls, config: EngineConfig, launcher: Callable[[EngineConfig], EngineExecutor] = launch
+    ) -> Engine:
+        """Launch the ranks (blocking until they serve) and start the scheduler thread."""
+        return cls(launcher(config), config.model_dir)
+
+    # -- caller API -------------------------------------------------------------------------
+
+    def submit(self, prompt_ids: list[int], params: GenerationParams | None = None) -> RequestStream:
+        params = params or GenerationParams()
+        self._validate(prompt_ids, params)
+        with self._lock:
+            if self._closed_reason is not None:
+                raise RuntimeError(self._closed_reason)
+            request_id = self._ids.next()
+            stream = RequestStream(request_id, self.cancel, self._forget)
+            self._open[request_id] = stream
+            self._inbox.put(Request(request_id, list(prompt_ids), params, stream.push))
+        return stream
+
+    def cancel(self, request_id: int) -> None:
+        """Cancel an open request (idempotent); its stream ends with FinishEvent("cancelled")."""
+        self._inbox.put(("cancel", request_id))
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def shutdown(self) -> None:
+        """Stop the scheduler thread, end open requests with an error, shut the ranks down."""
+        self._inbox.put(_STOP)
+        self._thread.join()
+        self._executor.shutdown()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # -- validation -------------------------------------------------------------------------
+
+    def _validate(self, prompt_ids: list[int], params: GenerationParams) -> None:
+        if not prompt_ids:
+            raise ValueError("prompt is empty: at least one token is needed")
+        vocab = self.model_info.vocab_size
+        for index, token in enumerate(prompt_ids):
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
+                raise ValueError(
+                    f"prompt token {token!r} at index {index} is outside the vocabulary [0, {vocab})"
+                )
+        params.validate()
+        context = self.model_info.max_context
+        if len(prompt_ids) >= context:
+            raise ValueError(
+                f"prompt of {len(prompt_ids)} tokens is too long: the context holds {context} tokens "
+                "including at least one generated token"
+            )
+        if len(prompt_ids) + params.max_tokens > context:
+            raise ValueError(
+                f"prompt of {len(prompt_ids)} tokens plus max_tokens {params.max_tokens} exceeds the "
+                f"context of {context} tokens"
+            )
+
+    # -- scheduler thread -------------------------------------------------------------------
+
+    def _forget(self, request_id: int) -> None:
+        with self._lock:
+            self._open.pop(request_id, None)
+
+    def _drain(self, block: bool) -> bool:
+        """Move inbox items into the scheduler; returns False when asked to stop."""
+        item = self._inbox.get() if block else None
+        while True:
+            if item is _STOP:
+                return False
+            if isinstance(item, Request):
+                self._add(item)
+            elif item is not None:
+                self._scheduler.cancel(item[1])
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _add(self, request: Request) -> None:
+        try:
+            self._scheduler.add(request)
+        except ValueError as exc:  # refused by the pool: this request ends, nothing else is affected
+            request.emit(ErrorEvent(str(exc)))
+
+    def _run(self) -> None:
+        try:
+            while self._drain(block=not self._scheduler.has_work()):
+                self._stats = self._scheduler.stats()
+                if self._scheduler.has_work():
+                    self._scheduler.step()
+                    self._stats = self._scheduler.stats()
+        except Exception as exc:  # any failure mid-step leaves rank state unknown: fail-stop
+            reason = exc.reason if isinstance(exc, ExecutorPoisoned) else f"{type(exc).__name__}: {exc}"
+            self._poison(reason)
+            return
+        self._close("engine is shut down")
+
+    def _poison(self, reason: str) -> None:
+        log.error("engine poisoned", reason=reason)
+        self.poison_reason = reason
+        self._close(f"engine is poisoned: {reason}")
+        self._stats = EngineStats(
+            0, 0, 0, self._stats.kv_pages_total, 0, self._stats.slots_total, self._stats.steps, 0.0
+        )
+        self._executor.shutdown()
+
+    def _close(self, message: str) -> None:
+        """Refuse new requests and give every open one its single final error."""
+        with self._lock:
+            if self._closed_reason is None:
+                self._closed_reason = message
+            streams = list(self._open.values())
+        for stream in streams:
+            stream.push(ErrorEvent(message))
