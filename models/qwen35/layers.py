@@ -1,0 +1,188 @@
+"""The decoder layer and its parts (gated full attention, Gated DeltaNet, MLP) on one TP rank.
+
+Weights are this rank's slices (see sharding.py), fused per layer into one input projection. Each
+row-parallel output projection is followed by an all-reduce. All math goes through kernels.ops.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kernels import ops
+from models.qwen35.config import FULL_ATTENTION, Qwen35Config
+from models.qwen35.parallel import TensorParallel
+from models.qwen35.sharding import RankLayout
+
+Weights = dict[str, torch.Tensor]
+
+
+@dataclass
+class StepContext:
+    """Per-step indexing shared by all layers. Prefill fields are None in decode and vice versa."""
+
+    positions: torch.Tensor  # [T] int64
+    kv_slot_ids: torch.Tensor  # [T] int64: page * page_size + offset of each token's K/V
+    state_slots: torch.Tensor  # [n] int64 (prefill: per chunk; decode: per row)
+    cu_seqlens: torch.Tensor | None = None  # prefill [n+1] int32
+    starts: torch.Tensor | None = None  # prefill [n] int32
+    page_tables: torch.Tensor | None = None  # prefill [n, P] / decode [B, P] int32
+    has_initial_state: torch.Tensor | None = None  # prefill [n] bool
+    seq_lens: torch.Tensor | None = None  # decode [B] int32
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.cu_seqlens is not None
+
+
+class FullAttention:
+    """Gated softmax attention: per-head [q | gate] rows, (1+w) q/k norms, partial RoPE, paged KV."""
+
+    def __init__(self, w: Weights, config: Qwen35Config, layout: RankLayout, tp: TensorParallel) -> None:
+        self.num_heads = layout.num_heads
+        self.num_kv_heads = layout.num_kv_heads
+        self.head_dim = config.head_dim
+        self.eps = config.rms_norm_eps
+        self.scale = config.head_dim**-0.5
+        self.qkv_weight = torch.cat([w["q_proj.weight"], w["k_proj.weight"], w["v_proj.weight"]])
+        self.q_norm = w["q_norm.weight"]
+        self.k_norm = w["k_norm.weight"]
+        self.o_weight = w["o_proj.weight"]
+        self.tp = tp
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def allocate(self, num_pages: int, page_size: int) -> None:
+        shape = (num_pages, page_size, self.num_kv_heads, self.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=self.o_weight.dtype, device=self.o_weight.device)
+        self.v_cache = torch.zeros_like(self.k_cache)
+
+    def __call__(self, x: torch.Tensor, ctx: StepContext, cos_sin: torch.Tensor) -> torch.Tensor:
+        tokens, hd = x.shape[0], self.head_dim
+        q_size, kv_size = self.num_heads * 2 * hd, self.num_kv_heads * hd
+        q_gate, k, v = F.linear(x, self.qkv_weight).split([q_size, kv_size, kv_size], dim=-1)
+        q, gate = q_gate.view(tokens, self.num_heads, 2 * hd).split([hd, hd], dim=-1)
+        q = ops.rms_norm(q.reshape(-1, hd), self.q_norm, self.eps)[0].view(tokens, self.num_heads, hd)
+        k = ops.rms_norm(k.reshape(-1, hd), self.k_norm, self.eps)[0].view(tokens, self.num_kv_heads, hd)
+        q = ops.apply_rope(q, ctx.positions, cos_sin)
+        k = ops.apply_rope(k, ctx.positions, cos_sin)
+        v = v.reshape(tokens, self.num_kv_heads, hd)
+        ops.write_kv(k, v, self.k_cache, self.v_cache, ctx.kv_slot_ids)
+        if ctx.is_prefill:
+            attn = ops.paged_prefill_attention(
+                q, self.k_cache, self.v_cache, ctx.page_tables, ctx.cu_seqlens, ctx.starts, self.scale
+            )
+        else:
+            attn = ops.paged_decode_attention(
+                q, self.k_cache, self.v_cache, ctx.page_tables, ctx.seq_lens, self.scale
+            )
+        gated = attn.reshape(tokens, -1) * torch.sigmoid(gate.reshape(tokens, -1))
+        return self.tp.all_reduce(F.linear(gated, self.o_weight))
+
+
+class GatedDeltaNet:
+    """Linear attention: conv1d over q|k|v, L2-normed q/k, gated delta rule, gated norm, out_proj."""
+
+    def __init__(self, w: Weights, config: Qwen35Config, layout: RankLayout, tp: TensorParallel) -> None:
+        self.key_heads = layout.linear_key_heads
+        self.value_heads = layout.linear_value_heads
+        self.key_dim = config.linear_key_head_dim
+        self.value_dim = config.linear_value_head_dim
+        self.kernel = config.linear_conv_kernel_dim
+        self.eps = config.rms_norm_eps
+        self.in_weight = torch.cat(
+            [w["in_proj_qkv.weight"], w["in_proj_z.weight"], w["in_proj_b.weight"], w["in_proj_a.weight"]]
+        )
+        self.conv_weight = w["conv1d.weight"].squeeze(1).contiguous()  # [conv_dim, K]
+        self.dt_bias = w["dt_bias"]
+        self.A_log = w["A_log"]  # float32
+        self.norm = w["norm.weight"]  # float32
+        self.out_weight = w["out_proj.weight"]
+        self.tp = tp
+        self.recurrent_state: torch.Tensor | None = None
+        self.conv_state: torch.Tensor | None = None
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+
+    def allocate(self, num_slots: int) -> None:
+        device = self.out_weight.device
+        self.recurrent_state = torch.zeros(
+            num_slots, self.value_heads, self.key_dim, self.value_dim, dtype=torch.float32, device=device
+        )
+        self.conv_state = torch.zeros(
+            num_slots, self.conv_dim, self.kernel - 1, dtype=self.out_weight.dtype, device=device
+        )
+
+    def __call__(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        tokens = x.shape[0]
+        z_size = self.value_heads * self.value_dim
+        qkv, z, b, a = F.linear(x, self.in_weight).split(
+            [self.conv_dim, z_size, self.value_heads, self.value_heads], dim=-1
+        )
+        if ctx.is_prefill:
+            mixed = ops.causal_conv1d_prefill(
+                qkv, self.conv_weight, self.conv_state, ctx.state_slots, ctx.cu_seqlens, ctx.has_initial_state
+            )
+        else:
+            mixed = ops.causal_conv1d_decode(qkv, self.conv_weight, self.conv_state, ctx.state_slots)
+        key_size = self.key_heads * self.key_dim
+        q, k, v = mixed.split([key_size, key_size, z_size], dim=-1)
+        q = q.reshape(tokens, self.key_heads, self.key_dim)
+        k = k.reshape(tokens, self.key_heads, self.key_dim)
+        v = v.reshape(tokens, self.value_heads, self.value_dim)
+        g, beta = ops.gdn_gating(a, b, self.A_log, self.dt_bias)
+        if ctx.is_prefill:
+            o = ops.gated_delta_rule_prefill(
+                q, k, v, g, beta, self.recurrent_state, ctx.state_slots, ctx.cu_seqlens, ctx.has_initial_state
+            )
+        else:
+            o = ops.gated_delta_rule_decode(q, k, v, g, beta, self.recurrent_state, ctx.state_slots)
+        y = ops.gated_rms_norm(o, z.reshape(tokens, self.value_heads, self.value_dim), self.norm, self.eps)
+        return self.tp.all_reduce(F.linear(y.reshape(tokens, -1), self.out_weight))
+
+
+class MLP:
+    """SwiGLU: gate|up rows sharded, down columns sharded, then all-reduce."""
+
+    def __init__(self, w: Weights, tp: TensorParallel) -> None:
+        self.gate_up_weight = torch.cat([w["gate_proj.weight"], w["up_proj.weight"]])
+        self.down_weight = w["down_proj.weight"]
+        self.tp = tp
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = ops.silu_and_mul(F.linear(x, self.gate_up_weight))
+        return self.tp.all_reduce(F.linear(hidden, self.down_weight))
+
+
+class DecoderLayer:
+    """Pre-norm residual block: h += mixer(norm1(h)); h += mlp(norm2(h)), with fused residual adds."""
+
+    def __init__(
+        self, index: int, w: Weights, config: Qwen35Config, layout: RankLayout, tp: TensorParallel
+    ) -> None:
+        prefix = f"layers.{index}."
+        own = {name[len(prefix) :]: t for name, t in w.items() if name.startswith(prefix)}
+        self.is_full_attention = config.layer_types[index] == FULL_ATTENTION
+        mixer_prefix = "self_attn." if self.is_full_attention else "linear_attn."
+        mixer_w = {name[len(mixer_prefix) :]: t for name, t in own.items() if name.startswith(mixer_prefix)}
+        self.attention = FullAttention(mixer_w, config, layout, tp) if self.is_full_attention else None
+        self.linear_attention = None if self.is_full_attention else GatedDeltaNet(mixer_w, config, layout, tp)
+        self.mlp = MLP({name[4:]: t for name, t in own.items() if name.startswith("mlp.")}, tp)
+        self.input_norm = own["input_layernorm.weight"]
+        self.post_norm = own["post_attention_layernorm.weight"]
+        self.eps = config.rms_norm_eps
+
+    def __call__(
+        self, x: torch.Tensor, residual: torch.Tensor | None, ctx: StepContext, cos_sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        normed, residual = ops.rms_norm(x, self.input_norm, self.eps, residual)
+        if self.attention is not None:
+            mixed = self.attention(normed, ctx, cos_sin)
+        else:
+            mixed = self.linear_attention(normed, ctx)
+        normed, residual = ops.rms_norm(mixed, self.post_norm, self.eps, residual)
+        return self.mlp(normed), residual

@@ -1,0 +1,192 @@
+"""Qwen3.5 text model on one tensor-parallel rank: loading, caches, prefill and batched decode."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import structlog
+import torch
+
+from kernels import ops
+from models.qwen35.batch import DecodeBatch, PrefillBatch
+from models.qwen35.config import Qwen35Config
+from models.qwen35.layers import DecoderLayer, StepContext
+from models.qwen35.parallel import TensorParallel, VocabParallelEmbedding, VocabParallelHead
+from models.qwen35.sharding import RankLayout, tensor_specs
+from models.qwen35.weights import Checkpoint, check_tensors, read_slices
+
+log = structlog.get_logger(__name__)
+
+
+class Qwen35Model:
+    def __init__(
+        self,
+        config: Qwen35Config,
+        layout: RankLayout,
+        weights: dict[str, torch.Tensor],
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.config = config
+        self.layout = layout
+        self.rank = layout.rank
+        self.world_size = layout.world_size
+        self.device = device
+        self.dtype = dtype
+        self.tp = TensorParallel(layout.rank, layout.world_size)
+        self.embed = VocabParallelEmbedding(weights["embed_tokens.weight"], layout.vocab_start, self.tp)
+        head_weight = (
+            weights["embed_tokens.weight"] if config.tie_word_embeddings else weights["lm_head.weight"]
+        )
+        self.head = VocabParallelHead(head_weight, self.tp)
+        self.layers = [
+            DecoderLayer(i, weights, config, layout, self.tp) for i in range(config.num_hidden_layers)
+        ]
+        self.final_norm = weights["norm.weight"]
+        self.cos_sin = ops.rope_cache(
+            config.max_position_embeddings, config.rotary_dim, config.rope_theta, device
+        )
+        self.page_size = 0
+        self.num_state_slots = 0
+
+    @classmethod
+    def load(
+        cls,
+        model_dir: str | Path,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        progress: bool = False,
+    ) -> Qwen35Model:
+        """Read this rank's slices of the checkpoint in ``model_dir`` and build the model."""
+        started = time.perf_counter()
+        device = torch.device(device)
+        config = Qwen35Config.from_dir(model_dir)
+        layout = RankLayout.build(config, rank, world_size)
+        specs = tensor_specs(config, layout, include_lm_head=not config.tie_word_embeddings)
+        checkpoint = Checkpoint(model_dir)
+        # Tied checkpoints normally omit lm_head.weight; tolerate a redundant copy.
+        check_tensors(
+            checkpoint, specs, allow_extra=("lm_head.weight",) if config.tie_word_embeddings else ()
+        )
+        weights = read_slices(checkpoint, specs, dtype=dtype, device=device, rank=rank, progress=progress)
+        model = cls(config, layout, weights, device, dtype)
+        log.info(
+            "model loaded",
+            model_dir=str(model_dir),
+            rank=rank,
+            world_size=world_size,
+            dtype=str(dtype),
+            seconds=round(time.perf_counter() - started, 3),
+        )
+        return model
+
+    # ----- caches -------------------------------------------------------------------------------
+
+    @property
+    def _attention_layers(self) -> list:
+        return [layer.attention for layer in self.layers if layer.attention is not None]
+
+    @property
+    def _linear_layers(self) -> list:
+        return [layer.linear_attention for layer in self.layers if layer.linear_attention is not None]
+
+    def kv_bytes_per_page(self, page_size: int) -> int:
+        """K and V of one page over every full-attention layer, local KV heads."""
+        per_layer = 2 * page_size * self.layout.num_kv_heads * self.config.head_dim
+        return len(self._attention_layers) * per_layer * self.dtype.itemsize
+
+    def state_bytes_per_slot(self) -> int:
+        """Recurrent (fp32) plus conv (model dtype) state of one slot over every linear layer."""
+        total = 0
+        for gdn in self._linear_layers:
+            total += gdn.value_heads * gdn.key_dim * gdn.value_dim * 4
+            total += gdn.conv_dim * (gdn.kernel - 1) * self.dtype.itemsize
+        return total
+
+    def allocate_cache(self, num_pages_total: int, page_size: int, num_state_slots: int) -> None:
+        if num_pages_total < 1 or page_size < 1 or num_state_slots < 1:
+            raise ValueError(
+                f"rank {self.rank}: allocate_cache needs positive sizes, got pages={num_pages_total}, "
+                f"page_size={page_size}, state slots={num_state_slots}"
+            )
+        for attention in self._attention_layers:
+            attention.allocate(num_pages_total, page_size)
+        for gdn in self._linear_layers:
+            gdn.allocate(num_state_slots)
+        self.page_size = page_size
+        self.num_state_slots = num_state_slots
+
+    def copy_state(self, src_slot: int, dst_slot: int) -> None:
+        """Copy recurrent and conv state of every linear layer from one slot to another."""
+        self._require_cache("copy_state")
+        for slot in (src_slot, dst_slot):
+            if not 0 <= slot < self.num_state_slots:
+                raise IndexError(f"rank {self.rank}: state slot {slot} outside [0, {self.num_state_slots})")
+        for gdn in self._linear_layers:
+            gdn.recurrent_state[dst_slot].copy_(gdn.recurrent_state[src_slot])
+            gdn.conv_state[dst_slot].copy_(gdn.conv_state[src_slot])
+
+    def _require_cache(self, phase: str) -> None:
+        if self.page_size == 0:
+            raise RuntimeError(f"rank {self.rank}: {phase} before allocate_cache")
+
+    # ----- forward ------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(self, batch: PrefillBatch, all_logits: bool = False) -> torch.Tensor:
+        """Logits float32 [num_chunks, vocab] at each chunk's last token ([T, vocab] if all_logits)."""
+        self._require_cache("prefill")
+        cu_seqlens = batch.cu_seqlens.to(self.device)
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+        chunk_of_token = torch.repeat_interleave(torch.arange(len(lengths), device=self.device), lengths)
+        starts = batch.starts.to(self.device).long()
+        offsets = (
+            torch.arange(batch.tokens.shape[0], device=self.device) - cu_seqlens[:-1].long()[chunk_of_token]
+        )
+        positions = starts[chunk_of_token] + offsets
+        page_tables = batch.page_tables.to(self.device)
+        pages = page_tables[chunk_of_token, positions // self.page_size].long()
+        ctx = StepContext(
+            positions=positions,
+            kv_slot_ids=pages * self.page_size + positions % self.page_size,
+            state_slots=batch.state_slots.to(self.device),
+            cu_seqlens=cu_seqlens,
+            starts=batch.starts.to(self.device),
+            page_tables=page_tables,
+            has_initial_state=starts > 0,
+        )
+        hidden = self._layers(batch.tokens.to(self.device), ctx)
+        if not all_logits:
+            hidden = hidden[cu_seqlens[1:].long() - 1]
+        return self._logits(hidden)
+
+    @torch.inference_mode()
+    def decode(self, batch: DecodeBatch) -> torch.Tensor:
+        """Logits float32 [B, vocab]. Graph-capturable: fixed shapes, no host sync, no value branching."""
+        self._require_cache("decode")
+        positions = batch.positions
+        page_index = (positions // self.page_size).unsqueeze(1)
+        pages = batch.page_table.gather(1, page_index).squeeze(1).long()
+        ctx = StepContext(
+            positions=positions,
+            kv_slot_ids=pages * self.page_size + positions % self.page_size,
+            state_slots=batch.state_slots,
+            page_tables=batch.page_table,
+            seq_lens=(positions + 1).to(torch.int32),
+        )
+        return self._logits(self._layers(batch.tokens, ctx))
+
+    def _layers(self, tokens: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        x = self.embed(tokens)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, ctx, self.cos_sin)
+        return x if residual is None else x + residual
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        normed, _ = ops.rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
+        return self.head(normed)

@@ -1,0 +1,62 @@
+"""Tensor-parallel collectives and the vocab-parallel embedding and head.
+
+With world_size 1 nothing here touches torch.distributed. Otherwise the caller has initialised the
+default process group (gloo on CPU, NCCL on CUDA). Collectives write into fixed-shape buffers so
+that decode stays CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+class TensorParallel:
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank = rank
+        self.world_size = world_size
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of x over ranks (in place)."""
+        if self.world_size > 1:
+            dist.all_reduce(x)
+        return x
+
+    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, V/t] on each rank -> [N, V], rank r's part at columns [r V/t, (r+1) V/t)."""
+        if self.world_size == 1:
+            return x
+        gathered = torch.empty((self.world_size, *x.shape), dtype=x.dtype, device=x.device)
+        dist.all_gather(list(gathered.unbind(0)), x.contiguous())
+        return gathered.permute(1, 0, 2).reshape(x.shape[0], -1)
+
+
+class VocabParallelEmbedding:
+    """Each rank holds vocab rows [vocab_start, vocab_start + V/t); lookups are summed over ranks."""
+
+    def __init__(self, weight: torch.Tensor, vocab_start: int, tp: TensorParallel) -> None:
+        self.weight = weight
+        self.vocab_start = vocab_start
+        self.tp = tp
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.tp.world_size == 1:
+            return F.embedding(tokens, self.weight)
+        local = tokens - self.vocab_start
+        inside = (local >= 0) & (local < self.weight.shape[0])
+        embedded = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)
+        embedded = embedded * inside.unsqueeze(-1).to(embedded.dtype)
+        return self.tp.all_reduce(embedded)
+
+
+class VocabParallelHead:
+    """Logits for this rank's vocab slice, gathered into the full vocabulary (float32) on every rank."""
+
+    def __init__(self, weight: torch.Tensor, tp: TensorParallel) -> None:
+        self.weight = weight
+        self.tp = tp
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        local = F.linear(hidden, self.weight).float()
+        return self.tp.all_gather_last_dim(local)
