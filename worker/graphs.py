@@ -23,15 +23,17 @@ and sweep eagerly ("eager static-buffer" mode), and says so once in the log.
 from __future__ import annotations
 
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import structlog
 import torch
 
 from models.qwen35 import DecodeBatch
-from protocol.messages import Capture, Finalize, Launch, PrecapturePhase, Warmup
+from protocol.messages import Ack, Capture, Finalize, Launch, Precapture, PrecapturePhase, Warmup
 from worker.buckets import bucket_for, buckets_up_to
+from worker.errors import WorkerStateError
+from worker.faults import fault_point
 
 log = structlog.get_logger("phalanx.graphs")
 
@@ -349,6 +351,19 @@ class DecodeGraphRunner:
     def _synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+
+def precapture_handler(runner: DecodeGraphRunner | None, rank: int) -> Callable[[Precapture], Ack]:
+    """The command loop's handler for ``Precapture``: one sweep phase on this rank's runner."""
+
+    def handle(command: Precapture) -> Ack:
+        if runner is None:
+            raise WorkerStateError(f"precapture sent to rank {rank}, which runs decode without CUDA graphs")
+        fault_point(type(command.phase).__name__.lower(), rank)
+        runner.run_phase(command.phase)
+        return Ack()
+
+    return handle
 
 
 def _memory_in_use(device: torch.device) -> int:

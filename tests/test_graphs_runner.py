@@ -1,0 +1,173 @@
+"""The decode graph runner in eager static-buffer mode (CPU): buckets, padding rows, slot mapping,
+the sweep's phase order on one rank, and equality with plain decode."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from models.qwen35 import Qwen35Model
+from models.qwen35.batch import DecodeBatch, PrefillBatch
+from protocol.messages import Capture, Finalize, Launch, Warmup
+from worker.graphs import DecodeGraphRunner, GraphError, GraphGeometry, padding_slots
+
+PAGE_SIZE = 8
+PAGES_PER_REQUEST = 4
+KV_PAGES = 48  # usable pages; page KV_PAGES is the padding page
+MAX_BATCH = 5  # top bucket 8
+STAGING = 8  # state slots 0..7 are the decode region, 8.. are staging (unused here)
+
+
+def _load(model_dir: Path) -> Qwen35Model:
+    model = Qwen35Model.load(model_dir, rank=0, world_size=1, device=torch.device("cpu"), dtype=torch.float32)
+    model.allocate_cache(KV_PAGES + 1, PAGE_SIZE, STAGING + MAX_BATCH)
+    return model
+
+
+def _pages(request: int) -> list[int]:
+    return list(range(request * PAGES_PER_REQUEST, (request + 1) * PAGES_PER_REQUEST))
+
+
+class Pair:
+    """Two copies of the tiny model fed the same requests: one decodes plainly, one via the runner."""
+
+    def __init__(self, model_dir: Path, num_requests: int) -> None:
+        self.plain = _load(model_dir)
+        self.graphed = _load(model_dir)
+        geometry = GraphGeometry(
+            max_batch=MAX_BATCH,
+            max_pages=PAGES_PER_REQUEST,
+            padding_page=KV_PAGES,
+            slot_count=STAGING,
+            hidden_size=64,
+            dtype=torch.float32,
+        )
+        self.runner = DecodeGraphRunner(self.graphed, geometry, torch.device("cpu"))
+        for phase in [Warmup(), Capture(8), Launch(8), Capture(4), Launch(4), Capture(2), Launch(2)]:
+            self.runner.run_phase(phase)
+        self.runner.run_phase(Capture(1))
+        self.runner.run_phase(Launch(1))
+        self.runner.run_phase(Finalize())
+        generator = torch.Generator().manual_seed(7)
+        self.slot_of: dict[int, int] = {}
+        self.position: dict[int, int] = {}
+        self.token: dict[int, int] = {}
+        chunks = []
+        for request in range(num_requests):
+            length = 3 + 2 * request
+            prompt = torch.randint(0, 384, (length,), generator=generator).tolist()
+            chunks.append((prompt, 0, request, _pages(request)[: -(-length // PAGE_SIZE)]))
+            self.slot_of[request] = request
+            self.position[request] = length
+        for model in (self.plain, self.graphed):
+            logits = model.prefill(PrefillBatch.build(chunks))
+        for request, row in enumerate(logits.argmax(-1).tolist()):
+            self.token[request] = row
+
+    def step(self, requests: list[int], occupied: list[int] | None = None) -> None:
+        rows = [
+            (self.token[r], self.position[r], self.slot_of[r], _pages(r)[: self.position[r] // PAGE_SIZE + 1])
+            for r in requests
+        ]
+        expected = self.plain.decode(DecodeBatch.build(rows))
+        got = self.runner.decode(DecodeBatch.build(rows), occupied_slots=occupied or [])
+        assert got.shape == expected.shape
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        for r, token in zip(requests, expected.argmax(-1).tolist(), strict=True):
+            self.token[r] = token
+            self.position[r] += 1
+
+    def move(self, request: int, to_slot: int) -> None:
+        for model in (self.plain, self.graphed):
+            model.copy_state(self.slot_of[request], to_slot)
+        self.slot_of[request] = to_slot
+
+
+@pytest.fixture(scope="module")
+def pair_factory(tiny_model_dir: Path):
+    return lambda n: Pair(tiny_model_dir, n)
+
+
+@pytest.mark.parametrize("batch", [1, 3, 5])
+def test_static_buffer_decode_equals_plain_decode_across_bucket_straddles(pair_factory, batch: int) -> None:
+    pair = pair_factory(batch)
+    for _ in range(3):
+        pair.step(list(range(batch)))
+
+
+def test_static_buffer_decode_after_slot_compaction(pair_factory) -> None:
+    pair = pair_factory(5)
+    pair.step([0, 1, 2, 3, 4])
+    # Request 1 retires from slot 1; the last slot (request 4) moves into the hole.
+    pair.move(4, 1)
+    for _ in range(2):
+        pair.step([0, 4, 2, 3])  # dense slots 0..3, bucket 4
+    # Another retirement leaves 3 rows: bucket 4 again, now with one padding row in a freed slot.
+    pair.step([0, 4, 2])
+    pair.step([0, 4, 2])
+
+
+def test_padding_rows_never_touch_a_live_slot_outside_the_batch(pair_factory) -> None:
+    pair = pair_factory(4)
+    pair.step([0, 1, 2, 3])
+    # Request 3 (slot 3) sits this step out: the bucket-4 padding row must not use its slot.
+    pair.step([0, 1, 2], occupied=[0, 1, 2, 3])
+    pair.step([0, 1, 2, 3])
+
+
+def test_sweep_phases_must_arrive_in_order(tiny_model_dir: Path) -> None:
+    model = _load(tiny_model_dir)
+    geometry = GraphGeometry(
+        max_batch=3, max_pages=2, padding_page=KV_PAGES, slot_count=4, hidden_size=64, dtype=torch.float32
+    )
+    runner = DecodeGraphRunner(model, geometry, torch.device("cpu"))
+    assert runner.buckets == (1, 2, 4) and not runner.uses_cuda_graphs
+    with pytest.raises(GraphError, match="pre-capture capture of bucket 4 before Warmup"):
+        runner.run_phase(Capture(4))
+    runner.run_phase(Warmup())
+    with pytest.raises(GraphError, match="pre-capture launch of bucket 4 before its capture"):
+        runner.run_phase(Launch(4))
+    with pytest.raises(
+        GraphError,
+        match=r"pre-capture capture of bucket 8, which is not one of this rank's buckets \[1, 2, 4\]",
+    ):
+        runner.run_phase(Capture(8))
+    runner.run_phase(Capture(4))
+    with pytest.raises(GraphError, match="pre-capture capture of bucket 4, which is already captured"):
+        runner.run_phase(Capture(4))
+    runner.run_phase(Launch(4))
+    runner.run_phase(Capture(1))
+    runner.run_phase(Launch(1))
+    batch = DecodeBatch.build([(1, 0, 0, [0])])
+    with pytest.raises(GraphError, match="decode before the graph pre-capture sweep finalized"):
+        runner.decode(batch)
+    with pytest.raises(GraphError, match="decode graph pre-capture left bucket 2 uncaptured"):
+        runner.run_phase(Finalize())
+    runner.run_phase(Capture(2))
+    runner.run_phase(Launch(2))
+    runner.run_phase(Finalize())
+    with pytest.raises(GraphError, match=r"pre-capture phase Warmup after Finalize"):
+        runner.run_phase(Warmup())
+    with pytest.raises(GraphError, match="decode batch of 5 rows exceeds the largest captured bucket 4"):
+        runner.decode(DecodeBatch.build([(1, 0, s, [0]) for s in range(5)]))
+    with pytest.raises(
+        GraphError, match="decode row page table has 3 pages, more than the graph page-table width 2"
+    ):
+        runner.decode(DecodeBatch.build([(1, 0, 0, [0, 1, 2])]))
+    assert runner.decode(batch).shape == (1, 512)
+    runner.release()
+    assert not runner.finalized
+
+
+def test_padding_slots_pick_free_slots() -> None:
+    assert padding_slots([0, 1, 2], 4, 8, occupied=[0, 1, 2]) == [3]
+    assert padding_slots([0, 1, 2, 3, 4], 8, 8, occupied=range(5)) == [5, 6, 7]
+    assert padding_slots([0, 1, 2], 4, 8, occupied=[0, 1, 2, 3]) == [4]
+    assert padding_slots([2, 0], 2, 4, occupied=[]) == []
+    assert padding_slots([3], 2, 4, occupied=[0]) == [1]
+    with pytest.raises(
+        GraphError, match="decode bucket 4 needs 1 padding state slots but only 0 of 4 are free"
+    ):
+        padding_slots([0, 1, 2], 4, 4, occupied=[3])
