@@ -1,0 +1,65 @@
+"""The FastAPI application: ``create_app(engine, model_dir)`` wires the engine, the tokenizer, the
+chat template and metrics into the routes, and answers every error with an OpenAI-style body."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import structlog
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from executor.engine import Engine
+from server.chat_template import ChatTemplate, ChatTemplateError
+from server.detokenizer import TextTokenizer
+from server.errors import ApiError, error_body
+from server.metrics import ServerMetrics
+from server.routes import router
+from server.service import ServerState
+
+log = structlog.get_logger("phalanx.server")
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    first = exc.errors()[0]
+    location = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        return f"the request body is not valid JSON: {first.get('msg')}", None
+    where = ".".join(location)
+    return (f"{where}: {first.get('msg')}" if where else str(first.get("msg"))), (
+        location[0] if location else None
+    )
+
+
+def create_app(engine: Engine, model_dir: str | Path, served_model_name: str | None = None) -> FastAPI:
+    model_dir = Path(model_dir)
+    try:
+        template: ChatTemplate | None = ChatTemplate.from_model_dir(model_dir)
+    except ChatTemplateError as e:
+        log.warning("no chat template: /v1/chat/completions will refuse requests", reason=str(e))
+        template = None
+    metrics = ServerMetrics(engine.stats, lambda: engine.poison_reason is not None)
+    app = FastAPI(title="phalanx", docs_url=None, redoc_url=None)
+    app.state.phalanx = ServerState(
+        engine=engine,
+        tokenizer=TextTokenizer.from_model_dir(model_dir),
+        template=template,
+        metrics=metrics,
+        model_name=served_model_name or model_dir.name,
+    )
+    app.include_router(router)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        if 400 <= exc.status < 500:
+            metrics.rejected.inc()
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        metrics.rejected.inc()
+        message, param = _validation_message(exc)
+        return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
+
+    return app

@@ -1,0 +1,108 @@
+"""Token ids to text, one token at a time, with stop strings matched on the text.
+
+A byte-level BPE token can end in the middle of a UTF-8 character; the decoder then yields
+U+FFFD. The incremental decoder re-decodes a short window and emits text only once it no longer
+ends in a partial character, so streamed deltas concatenate to exactly the full decode.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+_PARTIAL = "\ufffd"
+
+
+class TextTokenizer:
+    """The HF fast tokenizer plus the special-token set of ``tokenizer_config.json``.
+
+    transformers lets ``added_tokens_decoder`` in tokenizer_config.json override which added tokens
+    are special (Qwen's ``<think>`` is an added token that is *not* special, so it is shown).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, special_ids: frozenset[int]) -> None:
+        self.tokenizer = tokenizer
+        self.special_ids = special_ids
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path) -> TextTokenizer:
+        model_dir = Path(model_dir)
+        tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        special = {i for i, token in tokenizer.get_added_tokens_decoder().items() if token.special}
+        config_path = model_dir / "tokenizer_config.json"
+        if config_path.is_file():
+            config = json.loads(config_path.read_text(encoding="utf-8"))
+            for token_id, token in (config.get("added_tokens_decoder") or {}).items():
+                (special.add if token.get("special") else special.discard)(int(token_id))
+        return cls(tokenizer, frozenset(special))
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of ``ids`` without special tokens."""
+        return self.tokenizer.decode([i for i in ids if i not in self.special_ids], skip_special_tokens=False)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's own text, special tokens included (for logprobs)."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: TextTokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._ids: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+
+    def push(self, token_id: int) -> str:
+        """The new text this token completes (possibly empty)."""
+        self._ids.append(token_id)
+        prefix_text = self._tokenizer.decode(self._ids[self._prefix_offset : self._read_offset])
+        new_text = self._tokenizer.decode(self._ids[self._prefix_offset :])
+        if len(new_text) <= len(prefix_text) or new_text.endswith(_PARTIAL):
+            return ""
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        return new_text[len(prefix_text) :]
+
+    def flush(self) -> str:
+        """Text still held back at the end of the stream (an incomplete character decodes as U+FFFD)."""
+        prefix_text = self._tokenizer.decode(self._ids[self._prefix_offset : self._read_offset])
+        new_text = self._tokenizer.decode(self._ids[self._prefix_offset :])
+        self._prefix_offset = self._read_offset = len(self._ids)
+        return new_text[len(prefix_text) :]
+
+
+class StopMatcher:
+    """Finds the first stop string in the generated text; holds back text that could start one."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self._stops = [s for s in stops if s]
+        self._hold = max((len(s) for s in self._stops), default=1) - 1
+        self._text = ""
+        self._emitted = 0
+        self.stopped = False
+
+    def push(self, delta: str) -> str:
+        """Text safe to emit after ``delta``; sets ``stopped`` once a stop string appears."""
+        if self.stopped:
+            return ""
+        search_from = max(0, len(self._text) - self._hold)
+        self._text += delta
+        hits = [p for p in (self._text.find(s, search_from) for s in self._stops) if p >= 0]
+        if hits:
+            self.stopped = True
+            return self._emit(min(hits))
+        return self._emit(len(self._text) - self._hold)
+
+    def flush(self) -> str:
+        return "" if self.stopped else self._emit(len(self._text))
+
+    def _emit(self, upto: int) -> str:
+        if upto <= self._emitted:
+            return ""
+        out = self._text[self._emitted : upto]
+        self._emitted = upto
+        return out

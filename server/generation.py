@@ -1,0 +1,123 @@
+"""One request through the engine, as text: detokenized, cut at stop strings, timed for metrics.
+
+``start`` submits at once, so a prompt the engine refuses is a 400 before any response is sent.
+Iterating the Generation yields ``Chunk``s and then one ``Done``. Whoever stops iterating early
+(a client that went away, a stop string) cancels the engine request, which frees its slot and
+pages.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from executor.engine import Engine, ErrorEvent, FinishEvent, GenerationParams, RequestStream, TokenEvent
+from server.detokenizer import IncrementalDetokenizer, StopMatcher, TextTokenizer
+from server.metrics import ServerMetrics
+
+
+class GenerationError(RuntimeError):
+    """The engine ended the request with an error (for example: the engine is poisoned)."""
+
+
+@dataclass(frozen=True)
+class TokenInfo:
+    token_id: int
+    logprob: float | None
+    top_logprobs: list[tuple[int, float]] | None
+
+
+@dataclass
+class Chunk:
+    text: str
+    tokens: list[TokenInfo] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Done:
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Generation:
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: TextTokenizer,
+        metrics: ServerMetrics,
+        prompt_ids: list[int],
+        params: GenerationParams,
+        stops: list[str],
+    ) -> None:
+        self._started = time.monotonic()
+        self._engine = engine
+        self._metrics = metrics
+        self._prompt_tokens = len(prompt_ids)
+        self._detokenizer = IncrementalDetokenizer(tokenizer)
+        self._stops = StopMatcher(stops)
+        # raises ValueError (bad input) or RuntimeError (engine closed) before anything is queued
+        self._stream: RequestStream = engine.submit(prompt_ids, params)
+
+    @property
+    def request_id(self) -> int:
+        return self._stream.request_id
+
+    async def __aiter__(self) -> AsyncIterator[Chunk | Done]:
+        ended = False
+        timing = _Timing(self._started)
+        try:
+            async for event in self._stream:
+                if isinstance(event, TokenEvent):
+                    timing.token()
+                    text = self._stops.push(self._detokenizer.push(event.token_id))
+                    yield Chunk(text, [TokenInfo(event.token_id, event.logprob, event.top_logprobs)])
+                    if self._stops.stopped:
+                        self._engine.cancel(self.request_id)
+                        ended = True
+                        yield self._done(timing, "stop")
+                        return
+                elif isinstance(event, FinishEvent):
+                    ended = True
+                    tail = self._stops.push(self._detokenizer.flush()) + self._stops.flush()
+                    if tail:
+                        yield Chunk(tail)
+                    yield self._done(timing, "stop" if self._stops.stopped else event.reason)
+                    return
+                elif isinstance(event, ErrorEvent):
+                    ended = True
+                    self._metrics.finished("error")
+                    raise GenerationError(event.message)
+        finally:
+            if not ended:  # the consumer left early: a client disconnect or a cancelled task
+                self._engine.cancel(self.request_id)
+                self._metrics.finished("cancelled")
+
+    def _done(self, timing: _Timing, reason: str) -> Done:
+        self._metrics.finished(reason, timing.ttft, timing.tpot, self._prompt_tokens, timing.count)
+        return Done(reason, self._prompt_tokens, timing.count)
+
+
+class _Timing:
+    def __init__(self, started: float) -> None:
+        self.started = started
+        self.first: float | None = None
+        self.last: float | None = None
+        self.count = 0
+
+    def token(self) -> None:
+        now = time.monotonic()
+        self.first = self.first or now
+        self.last = now
+        self.count += 1
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first is None else self.first - self.started
+
+    @property
+    def tpot(self) -> float | None:
+        if self.first is None or self.last is None or self.count < 2:
+            return None
+        return (self.last - self.first) / (self.count - 1)

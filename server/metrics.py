@@ -1,0 +1,85 @@
+"""Prometheus metrics of the server (``GET /metrics``), in a registry of its own per app.
+
+Request counts and latency histograms are recorded as requests finish; the engine's occupancy
+(running, waiting, KV pages, slots, steps, last step latency) is read from ``engine.stats()`` at
+scrape time, so it is never stale.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from executor.engine import EngineStats
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, stats: Callable[[], EngineStats], poisoned: Callable[[], bool]) -> None:
+        self._stats = stats
+        self._poisoned = poisoned
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        gauges = {
+            "phalanx_requests_running": ("requests holding a slot or prefilling", s.running),
+            "phalanx_requests_waiting": ("requests queued for admission", s.waiting),
+            "phalanx_kv_pages_used": ("KV cache pages in use", s.kv_pages_used),
+            "phalanx_kv_pages_total": ("KV cache pages", s.kv_pages_total),
+            "phalanx_slots_used": ("decode slots in use", s.slots_used),
+            "phalanx_slots_total": ("decode slots", s.slots_total),
+            "phalanx_last_step_seconds": ("latency of the last engine step", s.last_step_seconds),
+            "phalanx_engine_poisoned": ("1 once the engine is poisoned", int(self._poisoned())),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(name, doc, value=value)
+        yield CounterMetricFamily("phalanx_engine_steps", "engine steps run", value=s.steps)
+
+
+class ServerMetrics:
+    def __init__(self, stats: Callable[[], EngineStats], poisoned: Callable[[], bool]) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "phalanx_requests", "finished requests by outcome", ["outcome"], registry=self.registry
+        )
+        self.rejected = Counter("phalanx_requests_rejected", "requests answered 4xx", registry=self.registry)
+        self.ttft = Histogram(
+            "phalanx_time_to_first_token_seconds",
+            "arrival to first token",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.tpot = Histogram(
+            "phalanx_time_per_output_token_seconds",
+            "mean time between tokens after the first, per request",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.prompt_tokens = Counter("phalanx_prompt_tokens", "prompt tokens", registry=self.registry)
+        self.generation_tokens = Counter(
+            "phalanx_generation_tokens", "generated tokens", registry=self.registry
+        )
+        self.registry.register(_EngineCollector(stats, poisoned))
+
+    def finished(
+        self,
+        outcome: str,
+        ttft: float | None = None,
+        tpot: float | None = None,
+        prompt_tokens: int = 0,
+        completion_tokens: int = 0,
+    ) -> None:
+        self.requests.labels(outcome=outcome).inc()
+        if ttft is not None:
+            self.ttft.observe(ttft)
+        if tpot is not None:
+            self.tpot.observe(tpot)
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(completion_tokens)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,110 @@
+"""Request bodies of the OpenAI-compatible endpoints, validated by pydantic (FastAPI's own models).
+
+Anything that fails validation is answered with 400 and an OpenAI-style error body (server.app).
+Unknown fields are ignored, as OpenAI clients send optional fields this server does not use.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_STOP_STRINGS = 16
+MAX_TOP_LOGPROBS = 20
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingRequest(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=-1, description="0 or -1: no top-k filter")
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(default=1, ge=1, le=1, description="one choice per request")
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, value: str | list[str] | None) -> list[str]:
+        stops = [value] if isinstance(value, str) else list(value or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are supported, got {len(stops)}")
+        if any(s == "" for s in stops):
+            raise ValueError("stop strings must not be empty")
+        return stops
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: Literal[False] = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, value: Any) -> str | list[int]:
+        if isinstance(value, list) and value and isinstance(value[0], str | list):
+            if len(value) != 1:
+                raise ValueError(f"one prompt per request is supported, got {len(value)}")
+            value = value[0]
+        if not value:
+            raise ValueError("the prompt is empty")
+        return value
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    # extra keys (name, tool_calls, reasoning_content, ...) are kept: chat templates may use them
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        message = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            message["content"] = "".join(part.text for part in self.content)
+        message.setdefault("content", "")
+        return message
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def logprobs_count(self) -> int | None:
+        """Top-N logprobs to ask the engine for; None: no logprobs."""
+        return (self.top_logprobs or 0) if self.logprobs else None

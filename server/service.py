@@ -1,0 +1,96 @@
+"""What the routes share: the engine, the tokenizer and chat template, metrics, the served name;
+and turning a request into a started Generation (prompt ids, context check, sampling params)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from executor.engine import Engine, GenerationParams
+from server.chat_template import ChatTemplate, ChatTemplateError
+from server.detokenizer import TextTokenizer
+from server.errors import bad_request, unavailable
+from server.generation import Generation
+from server.metrics import ServerMetrics
+from server.schemas import ChatCompletionRequest, SamplingRequest
+
+
+@dataclass
+class ServerState:
+    engine: Engine
+    tokenizer: TextTokenizer
+    template: ChatTemplate | None
+    metrics: ServerMetrics
+    model_name: str
+
+    @property
+    def max_context(self) -> int:
+        return self.engine.model_info.max_context
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise bad_request(
+                f"model {name!r} does not exist here; this server serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    def completion_prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        return list(prompt)
+
+    def chat_prompt(self, body: ChatCompletionRequest) -> tuple[str, list[int]]:
+        if self.template is None:
+            raise bad_request("this model has no chat template; use /v1/completions", param="messages")
+        messages: list[dict[str, Any]] = [m.for_template() for m in body.messages]
+        try:
+            text = self.template.render(
+                messages,
+                add_generation_prompt=body.add_generation_prompt,
+                **(body.chat_template_kwargs or {}),
+            )
+        except ChatTemplateError as e:
+            raise bad_request(str(e), param="messages") from e
+        # the template already wrote any BOS; the tokenizer must not add another
+        return text, self.tokenizer.encode(text, add_special_tokens=False)
+
+    def start(
+        self, prompt_ids: list[int], body: SamplingRequest, max_tokens: int | None, logprobs: int | None
+    ) -> Generation:
+        if self.engine.poison_reason is not None:
+            raise unavailable(f"engine is poisoned: {self.engine.poison_reason}")
+        context = self.max_context
+        if len(prompt_ids) >= context:
+            raise bad_request(
+                f"This model's maximum context length is {context} tokens, and the prompt has"
+                f" {len(prompt_ids)} tokens (at least one token must be left for the completion).",
+                param="prompt",
+                code="context_length_exceeded",
+            )
+        max_tokens = max_tokens if max_tokens is not None else context - len(prompt_ids)
+        if len(prompt_ids) + max_tokens > context:
+            raise bad_request(
+                f"This model's maximum context length is {context} tokens. However, you requested"
+                f" {len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the prompt,"
+                f" {max_tokens} for the completion).",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        params = GenerationParams(
+            max_tokens=max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=max(body.top_k, 0),
+            seed=body.seed,
+            ignore_eos=body.ignore_eos,
+            logprobs=logprobs,
+        )
+        try:
+            return Generation(
+                self.engine, self.tokenizer, self.metrics, prompt_ids, params, body.stop_strings
+            )
+        except ValueError as e:
+            raise bad_request(str(e)) from e
+        except RuntimeError as e:  # the engine closed between the check above and submit
+            raise unavailable(str(e)) from e
