@@ -218,9 +218,14 @@ def _comparable(body: object) -> object:
     return body
 
 
+def _comparables(values: list[object]) -> list[object]:
+    return [_comparable(v) for v in values]
+
+
 @dataclass
 class Step:
-    """One sequence number: the distinct command bodies sent, and every rank's replies."""
+    """One sequence number: the distinct command bodies sent, and every rank's reply bodies
+    (an undecodable frame appears as ``("undecodable", frame)``)."""
 
     seq: int | None
     first: Entry
@@ -239,7 +244,7 @@ def steps(trace: Trace) -> list[Step]:
         if step is None:
             step = by_seq[key] = Step(e.seq, e)
             order.append(step)
-        value = _comparable(e.message.body) if e.message is not None else ("undecodable", e.frame)
+        value = e.message.body if e.message is not None else ("undecodable", e.frame)
         if e.direction is Direction.SEND:
             if value not in step.commands:
                 step.commands.append(value)
@@ -262,7 +267,7 @@ def diff(a: Trace, b: Trace) -> list[str]:
         if x.seq != y.seq or x.commands != y.commands:
             return [where + ": the commands differ", *_side("A", x.commands), *_side("B", y.commands)]
         for rank in sorted(set(x.replies) | set(y.replies)):
-            if x.replies.get(rank, []) != y.replies.get(rank, []):
+            if _comparables(x.replies.get(rank, [])) != _comparables(y.replies.get(rank, [])):
                 return [
                     where + f": rank {rank} replied differently",
                     *_side("A", x.replies.get(rank, [])),
