@@ -11,18 +11,19 @@ import torch
 from models.qwen35 import Qwen35Model
 from models.qwen35.batch import DecodeBatch, PrefillBatch
 from protocol.messages import Capture, Finalize, Launch, Warmup
+from worker.buckets import state_slot_layout
 from worker.graphs import DecodeGraphRunner, GraphError, GraphGeometry, padding_slots
 
 PAGE_SIZE = 8
 PAGES_PER_REQUEST = 4
 KV_PAGES = 48  # usable pages; page KV_PAGES is the padding page
 MAX_BATCH = 5  # top bucket 8
-STAGING = 8  # state slots 0..7 are the decode region, 8.. are staging (unused here)
+LAYOUT = state_slot_layout(MAX_BATCH, cuda_graph=True)  # decode 0..4, staging 5..9, spare 10..12
 
 
 def _load(model_dir: Path) -> Qwen35Model:
     model = Qwen35Model.load(model_dir, rank=0, world_size=1, device=torch.device("cpu"), dtype=torch.float32)
-    model.allocate_cache(KV_PAGES + 1, PAGE_SIZE, STAGING + MAX_BATCH)
+    model.allocate_cache(KV_PAGES + 1, PAGE_SIZE, LAYOUT.total)
     return model
 
 
@@ -40,7 +41,7 @@ class Pair:
             max_batch=MAX_BATCH,
             max_pages=PAGES_PER_REQUEST,
             padding_page=KV_PAGES,
-            slot_count=STAGING,
+            spare_slot_base=LAYOUT.spare_base,
             hidden_size=64,
             dtype=torch.float32,
         )
@@ -120,7 +121,12 @@ def test_padding_rows_never_touch_a_live_slot_outside_the_batch(pair_factory) ->
 def test_sweep_phases_must_arrive_in_order(tiny_model_dir: Path) -> None:
     model = _load(tiny_model_dir)
     geometry = GraphGeometry(
-        max_batch=3, max_pages=2, padding_page=KV_PAGES, slot_count=4, hidden_size=64, dtype=torch.float32
+        max_batch=3,
+        max_pages=2,
+        padding_page=KV_PAGES,
+        spare_slot_base=6,
+        hidden_size=64,
+        dtype=torch.float32,
     )
     runner = DecodeGraphRunner(model, geometry, torch.device("cpu"))
     assert runner.buckets == (1, 2, 4) and not runner.uses_cuda_graphs
@@ -161,13 +167,22 @@ def test_sweep_phases_must_arrive_in_order(tiny_model_dir: Path) -> None:
     assert not runner.finalized
 
 
-def test_padding_slots_pick_free_slots() -> None:
-    assert padding_slots([0, 1, 2], 4, 8, occupied=[0, 1, 2]) == [3]
-    assert padding_slots([0, 1, 2, 3, 4], 8, 8, occupied=range(5)) == [5, 6, 7]
-    assert padding_slots([0, 1, 2], 4, 8, occupied=[0, 1, 2, 3]) == [4]
-    assert padding_slots([2, 0], 2, 4, occupied=[]) == []
-    assert padding_slots([3], 2, 4, occupied=[0]) == [1]
+def test_padding_slots_pick_free_decode_slots_then_spare_slots() -> None:
+    candidates = [0, 1, 2, 3, 4, 10, 11, 12]  # max_batch 5: decode 0..4, spare 10..12
+    assert padding_slots([0, 1, 2], 4, candidates, occupied=[0, 1, 2]) == [3]
+    assert padding_slots([0, 1, 2, 3, 4], 8, candidates, occupied=range(5)) == [10, 11, 12]
+    assert padding_slots([0, 1, 2], 4, candidates, occupied=[0, 1, 2, 3]) == [4]
+    assert padding_slots([1, 0], 4, candidates, occupied=[0, 1, 4]) == [2, 3]
+    assert padding_slots([2, 0], 2, candidates, occupied=[]) == []
+    assert padding_slots([3], 2, candidates, occupied=[0]) == [1]
     with pytest.raises(
-        GraphError, match="decode bucket 4 needs 1 padding state slots but only 0 of 4 are free"
+        GraphError, match="decode bucket 8 needs 5 padding state slots but only 4 of 8 are free"
     ):
-        padding_slots([0, 1, 2], 4, 4, occupied=[3])
+        padding_slots([0, 1, 2], 8, candidates, occupied=[0, 1, 2, 3])
+
+
+def test_state_slot_layout_completes_the_decode_region_to_the_top_bucket() -> None:
+    layout = state_slot_layout(5, cuda_graph=True)
+    assert (layout.spare_base, layout.total) == (10, 13)
+    assert state_slot_layout(5, cuda_graph=False).total == 10
+    assert state_slot_layout(8, cuda_graph=True).total == 16

@@ -26,6 +26,7 @@ __all__ = [
     "buckets_up_to",
     "size_graph_slot_reserve",
     "smaller_bucket",
+    "state_slot_layout",
 ]
 
 
@@ -73,3 +74,23 @@ def size_graph_slot_reserve(
         # batch's own bucket, which is smaller than this one.
         slot_bucket = bucket_for(fitted) if fitted >= 1 else smaller_bucket(slot_bucket)
     return SlotReserve(max_batch=0, graph_slots=0, reserve_bytes=0)
+
+
+@dataclass(frozen=True)
+class StateSlotLayout:
+    """Which state slots of the model's pool hold what.
+
+    ``0..max_slots-1`` are the dense decode slots, ``max_slots..2*max_slots-1`` the prefill
+    staging states, and in graph mode ``spare_base..total-1`` are spare slots that complete the
+    decode region to the top bucket, so a padded batch always finds free slots for its padding
+    rows (a batch of ``n`` rows pads to ``bucket_for(n) <= bucket_for(max_slots)``).
+    """
+
+    max_slots: int
+    spare_base: int
+    total: int
+
+
+def state_slot_layout(max_slots: int, cuda_graph: bool) -> StateSlotLayout:
+    spare = bucket_for(max_slots) - max_slots if cuda_graph else 0
+    return StateSlotLayout(max_slots=max_slots, spare_base=2 * max_slots, total=2 * max_slots + spare)

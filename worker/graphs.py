@@ -48,20 +48,26 @@ class GraphError(RuntimeError):
 class GraphGeometry:
     """Shapes the runner is built for.
 
-    ``max_batch`` is the effective decode batch (all buckets up to ``bucket_for(max_batch)`` are
-    captured); ``max_pages`` is the page-table width of every row; ``padding_page`` is the
-    reserved padding KV page; ``slot_count`` is the number of state slots padding rows may use
-    (slots ``0..slot_count-1``; at least the top bucket); ``hidden_size`` and ``dtype`` shape the
-    warm-up all-reduce.
+    ``max_batch`` is the effective decode batch: decode slots are ``0..max_batch-1`` and every
+    bucket up to ``bucket_for(max_batch)`` is captured. Padding rows take free decode slots first,
+    then the spare slots ``spare_slot_base..`` that complete the graph slot reserve to the top
+    bucket (see ``worker.buckets.state_slot_layout``). ``max_pages`` is the page-table width of
+    every row; ``padding_page`` is the reserved padding KV page; ``hidden_size`` and ``dtype``
+    shape the warm-up all-reduce.
     """
 
     max_batch: int
     max_pages: int
     padding_page: int
-    slot_count: int
+    spare_slot_base: int
     hidden_size: int
     dtype: torch.dtype
     world_size: int = 1
+
+    def padding_candidates(self) -> list[int]:
+        """Every state slot a padding row may use, in order of preference."""
+        spare = bucket_for(self.max_batch) - self.max_batch
+        return list(range(self.max_batch)) + list(range(self.spare_slot_base, self.spare_slot_base + spare))
 
 
 def graph_blocker(model: object, device: torch.device) -> str | None:
@@ -86,25 +92,25 @@ def _log_gate_once(reason: str, rank: int) -> None:
 
 
 def padding_slots(
-    real_slots: list[int], bucket: int, slot_count: int, occupied: Collection[int]
+    real_slots: list[int], bucket: int, candidates: list[int], occupied: Collection[int]
 ) -> list[int]:
-    """Free state slots for the ``bucket - len(real_slots)`` padding rows, lowest first.
+    """Free state slots for the ``bucket - len(real_slots)`` padding rows, from ``candidates``.
 
     A slot is free when no row of this batch and no live request (``occupied``) uses it. Dense
-    batches (rows in slots ``0..n-1``, nothing live above) take ``n..bucket-1`` directly.
+    batches (rows in decode slots ``0..n-1``, nothing live above) take ``candidates[n:bucket]``.
     """
     n = len(real_slots)
     needed = bucket - n
     if needed == 0:
         return []
-    if real_slots == list(range(n)) and all(s < n for s in occupied) and bucket <= slot_count:
-        return list(range(n, bucket))
+    if real_slots == candidates[:n] and all(s < n for s in occupied) and bucket <= len(candidates):
+        return candidates[n:bucket]
     taken = set(real_slots).union(occupied)
-    free = [s for s in range(slot_count) if s not in taken][:needed]
+    free = [s for s in candidates if s not in taken][:needed]
     if len(free) < needed:
         raise GraphError(
             f"decode bucket {bucket} needs {needed} padding state slots but only {len(free)} of "
-            f"{slot_count} are free"
+            f"{len(candidates)} are free"
         )
     return free
 
@@ -123,10 +129,7 @@ class DecodeGraphRunner:
         self.rank = rank
         self.buckets = buckets_up_to(geometry.max_batch)
         top = self.buckets[-1]
-        if geometry.slot_count < top:
-            raise ValueError(
-                f"graph bucket {top} needs {top} state slots for its rows, the runner has {geometry.slot_count}"
-            )
+        self._candidates = geometry.padding_candidates()
         blocker = graph_blocker(model, device)
         self.uses_cuda_graphs = blocker is None
         if blocker is not None:
@@ -301,7 +304,7 @@ class DecodeGraphRunner:
         if self._staged is not None:
             self._staged.synchronize()
         real_slots = batch.state_slots.tolist()
-        pad = padding_slots(real_slots, bucket, self.geometry.slot_count, occupied)
+        pad = padding_slots(real_slots, bucket, self._candidates, occupied)
         width = int(batch.page_table.shape[1])
         if width > self.geometry.max_pages:
             raise GraphError(
@@ -331,7 +334,7 @@ class DecodeGraphRunner:
         """Every row padding: what the sweep captures and launches (all slots are free then)."""
         self._tokens[:bucket].zero_()
         self._positions[:bucket].zero_()
-        self._slots[:bucket].copy_(torch.arange(bucket, dtype=torch.int64))
+        self._slots[:bucket].copy_(torch.tensor(self._candidates[:bucket], dtype=torch.int64))
         self._page_table[:bucket].fill_(self.geometry.padding_page)
 
     def _static_batch(self, bucket: int, pages: int) -> DecodeBatch:
