@@ -1,0 +1,116 @@
+"""Structural checks before dispatch. A failure raises StepRejected and poisons nothing: the
+coordinator can prove the command wrong without asking any rank."""
+
+from __future__ import annotations
+
+from executor.errors import StepRejected
+from protocol.messages import Capacity, DecodeRow, DropRequest, PrefillChunk
+from protocol.packing import unpack_ids
+
+
+def _pages(op: str, request_id: int, packed: bytes, covered: int, capacity: Capacity) -> None:
+    if len(packed) % 4:
+        raise StepRejected(f"{op} page table of request {request_id} is not packed int32")
+    pages = unpack_ids(packed)
+    needed = -(-covered // capacity.page_size)
+    if len(pages) < needed:
+        raise StepRejected(
+            f"{op} page table of request {request_id} has {len(pages)} pages; {needed} are needed for {covered} tokens"
+        )
+    if len(pages) and (int(pages.min()) < 0 or int(pages.max()) > capacity.kv_pages):
+        raise StepRejected(
+            f"{op} page table of request {request_id} has page ids outside 0..{capacity.kv_pages}"
+        )
+
+
+def _request_id(op: str, request_id: int) -> None:
+    if request_id <= 0:
+        raise StepRejected(f"{op} request id {request_id} is invalid (ids start at 1)")
+
+
+def _unique(op: str, request_ids: list[int]) -> None:
+    seen: set[int] = set()
+    for request_id in request_ids:
+        if request_id in seen:
+            raise StepRejected(f"duplicate request id {request_id} in one {op} command")
+        seen.add(request_id)
+
+
+def check_prefill(
+    chunks: list[PrefillChunk], capacity: Capacity, vocab_size: int, op: str = "prefill"
+) -> None:
+    if not chunks:
+        raise StepRejected(f"{op} has no chunks")
+    _unique(op, [chunk.request_id for chunk in chunks])
+    total = 0
+    for chunk in chunks:
+        _request_id(op, chunk.request_id)
+        if len(chunk.tokens) % 4:
+            raise StepRejected(f"{op} tokens of request {chunk.request_id} are not packed int32")
+        tokens = unpack_ids(chunk.tokens)
+        if not len(tokens):
+            raise StepRejected(f"{op} chunk for request {chunk.request_id} is empty")
+        if int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size:
+            raise StepRejected(
+                f"{op} chunk for request {chunk.request_id} has token ids outside 0..{vocab_size - 1}"
+            )
+        if chunk.start < 0:
+            raise StepRejected(
+                f"{op} chunk for request {chunk.request_id} starts at negative position {chunk.start}"
+            )
+        total += len(tokens)
+        _pages(op, chunk.request_id, chunk.page_ids, chunk.start + len(tokens), capacity)
+    if total > capacity.max_batch_tokens:
+        raise StepRejected(f"{op} has {total} tokens, exceeding max_batch_tokens {capacity.max_batch_tokens}")
+
+
+def check_decode(rows: list[DecodeRow], capacity: Capacity, vocab_size: int, op: str = "decode") -> None:
+    if not rows:
+        raise StepRejected(f"{op} has no rows")
+    if len(rows) > capacity.max_slots:
+        raise StepRejected(f"{op} has {len(rows)} rows, exceeding max_slots {capacity.max_slots}")
+    _unique(op, [row.request_id for row in rows])
+    slots: set[int] = set()
+    for row in rows:
+        _request_id(op, row.request_id)
+        if not 0 <= row.slot < capacity.max_slots:
+            raise StepRejected(
+                f"{op} row of request {row.request_id} has slot {row.slot} outside 0..{capacity.max_slots - 1}"
+            )
+        if row.slot in slots:
+            raise StepRejected(f"{op} has two rows in slot {row.slot}")
+        slots.add(row.slot)
+        if not 0 <= row.token < vocab_size:
+            raise StepRejected(
+                f"{op} row of request {row.request_id} has token {row.token} outside 0..{vocab_size - 1}"
+            )
+        if row.position < 0:
+            raise StepRejected(f"{op} row of request {row.request_id} has negative position {row.position}")
+        _pages(op, row.request_id, row.page_ids, row.position + 1, capacity)
+
+
+def check_unified(
+    chunks: list[PrefillChunk], rows: list[DecodeRow], capacity: Capacity, vocab_size: int
+) -> None:
+    if not chunks or not rows:
+        raise StepRejected("unified needs both prefill chunks and decode rows")
+    check_prefill(chunks, capacity, vocab_size, "unified")
+    check_decode(rows, capacity, vocab_size, "unified")
+    both = {chunk.request_id for chunk in chunks} & {row.request_id for row in rows}
+    if both:
+        raise StepRejected(f"unified request {min(both)} appears in both prefill and decode")
+
+
+def check_drop(command: DropRequest, capacity: Capacity) -> None:
+    _request_id("drop request", command.request_id)
+    move = command.move
+    if move is None:
+        return
+    _request_id("drop request move", move.request_id)
+    if move.request_id == command.request_id:
+        raise StepRejected(f"drop request {command.request_id} moves the dropped request itself")
+    if move.from_slot == move.to_slot:
+        raise StepRejected(f"drop request slot move {move.from_slot} -> {move.to_slot} is a no-op")
+    for slot in (move.from_slot, move.to_slot):
+        if not 0 <= slot < capacity.max_slots:
+            raise StepRejected(f"drop request slot move uses slot {slot} outside 0..{capacity.max_slots - 1}")

@@ -1,0 +1,43 @@
+"""How to launch a replica: model, TP degree, device, limits, timeouts, transport."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ExecutorConfig:
+    model_dir: str
+    tp: int = 1
+    device: str = "cpu"  # "cpu" (gloo, eager) or "cuda" (NCCL)
+    dtype: str = ""  # "" picks float32 on CPU, bfloat16 on CUDA
+    max_slots: int = 16
+    kv_pages: int = 512  # per rank, excluding the padding page; 0 on CUDA: as many as fit
+    page_size: int = 16
+    max_batch_tokens: int = 2048
+    step_timeout: float = 300.0
+    startup_timeout: float = 120.0  # Ready from every rank, then dist init, then the first Ping
+    dist_init_timeout: float = 60.0  # each rank's startup watchdog
+    shutdown_timeout: float = 30.0
+    cuda_graph: bool = False
+    transport: str = "ipc"  # "ipc" (private runtime dir) or "tcp"
+    host: str = "127.0.0.1"  # tcp: the interface to bind
+    port: int = 0  # tcp: 0 picks a free port
+    attach: bool = False  # True: ranks are started elsewhere (torchrun) and connect over tcp
+    heartbeat_timeout: float = 2.0  # attached ranks: silence longer than this means dead
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if self.tp < 1:
+            raise ValueError(f"tp must be at least 1, got {self.tp}")
+        if self.transport not in ("ipc", "tcp"):
+            raise ValueError(f"transport must be 'ipc' or 'tcp', got {self.transport!r}")
+        if self.attach and self.transport != "tcp":
+            raise ValueError("attached ranks (started by torchrun/SLURM) need transport 'tcp'")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.cuda_graph and self.device != "cuda":
+            raise ValueError("cuda_graph needs device 'cuda'")
+        for name in ("step_timeout", "startup_timeout", "dist_init_timeout", "shutdown_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

@@ -1,0 +1,92 @@
+"""Launching a replica: spawn the ranks (or accept ranks that connect on their own over TCP),
+run the startup gate, and hand back a serving Executor."""
+
+from __future__ import annotations
+
+import multiprocessing
+import secrets
+import socket
+
+import structlog
+
+from executor.config import ExecutorConfig
+from executor.errors import StartupError
+from executor.gate import FIRST_PING_SEQ, run_startup_gate
+from executor.link import RankLink
+from executor.logs import bind, configure_logging
+from executor.model_info import read_model_info
+from executor.ranks import RankHandle
+from executor.runtime import Executor
+from protocol.transport import CoordinatorSocket, RuntimeDir, tcp_address
+from worker.config import WorkerConfig, WorkerLimits, encode_config
+from worker.entry import spawn_main
+
+__all__ = ["ExecutorConfig", "launch_executor"]
+
+log = structlog.get_logger("phalanx.executor")
+
+
+def _free_tcp_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+def _spawn_ranks(config: ExecutorConfig, address: str, epoch: int) -> list[RankHandle]:
+    context = multiprocessing.get_context("spawn")
+    limits = WorkerLimits(config.kv_pages, config.page_size, config.max_slots, config.max_batch_tokens)
+    ranks = []
+    for rank in range(config.tp):
+        worker_config = WorkerConfig(
+            model_dir=str(config.model_dir),
+            rank=rank,
+            world_size=config.tp,
+            coordinator=address,
+            limits=limits,
+            device=config.device,
+            local_rank=rank,
+            dtype=config.dtype,
+            epoch=epoch,
+            dist_init_timeout=config.dist_init_timeout,
+            gate_timeout=config.startup_timeout,
+            log_level=config.log_level,
+        )
+        process = context.Process(
+            target=spawn_main, args=(encode_config(worker_config),), name=f"phalanx-rank-{rank}", daemon=True
+        )
+        process.start()
+        ranks.append(RankHandle(rank, process))
+    return ranks
+
+
+def launch_executor(config: ExecutorConfig) -> Executor:
+    """Start every rank and return once all serve; raises StartupError (every rank stopped)."""
+    configure_logging(config.log_level)
+    model_info = read_model_info(config.model_dir)
+    epoch = secrets.randbits(62) | 1
+    bind(epoch, 0)
+    runtime_dir = RuntimeDir() if config.transport == "ipc" else None
+    address = runtime_dir.ipc_address() if runtime_dir else tcp_address(config.host, config.port)
+    sock = CoordinatorSocket(address)
+    if config.attach:
+        log.info("waiting for ranks to connect", address=sock.address, world_size=config.tp)
+        ranks = [RankHandle(rank) for rank in range(config.tp)]
+        dist_init_method = "env://"
+    else:
+        ranks = _spawn_ranks(config, sock.address, epoch)
+        dist_init_method = tcp_address("127.0.0.1", _free_tcp_port("127.0.0.1"))
+    link = RankLink(sock, ranks, config.heartbeat_timeout)
+    backend = "nccl" if config.device == "cuda" else "gloo"
+    try:
+        capacity = run_startup_gate(link, epoch, config.startup_timeout, dist_init_method, backend)
+    except BaseException as exc:
+        log.error("startup failed", error=str(exc))
+        link.stop_all(grace_s=5.0)
+        sock.close()
+        if runtime_dir is not None:
+            runtime_dir.remove()
+        if isinstance(exc, StartupError):
+            raise
+        raise StartupError(f"startup failed: {exc}") from exc
+    log.info("executor serving", world_size=config.tp, capacity=capacity, address=sock.address)
+    return Executor(config, link, epoch, capacity, model_info, runtime_dir, FIRST_PING_SEQ)

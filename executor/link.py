@@ -1,0 +1,103 @@
+"""The coordinator's side of the sockets: broadcast one frame to every rank, and wait for replies
+while watching every rank for death (process sentinels for spawned ranks, heartbeats otherwise)."""
+
+from __future__ import annotations
+
+import time
+
+import structlog
+import zmq
+
+from executor.ranks import RankHandle
+from protocol import ProtocolError, decode_reply
+from protocol.messages import Heartbeat, ReplyEnvelope
+from protocol.transport import CoordinatorSocket
+
+log = structlog.get_logger("phalanx.executor")
+
+# Longest single wait, so heartbeat silence is checked at least this often.
+POLL_SLICE_S = 0.2
+
+
+class DispatchError(Exception):
+    def __init__(self, rank: int, error: str) -> None:
+        super().__init__(f"failed to dispatch to rank {rank}: {error}")
+        self.rank = rank
+        self.error = error
+
+
+class RankLink:
+    def __init__(self, sock: CoordinatorSocket, ranks: list[RankHandle], heartbeat_timeout: float) -> None:
+        self.sock = sock
+        self.ranks = ranks
+        self.heartbeat_timeout = heartbeat_timeout
+        self.rejected_frames = 0
+        self._poller = zmq.Poller()
+        self._poller.register(sock.socket, zmq.POLLIN)
+        for rank in ranks:
+            if rank.sentinel is not None:
+                self._poller.register(rank.sentinel, zmq.POLLIN)
+
+    def broadcast(self, payload: bytes, ranks: list[RankHandle] | None = None) -> None:
+        """Send ``payload`` to every rank (rank order); a rank that cannot be reached raises."""
+        for rank in self.ranks if ranks is None else ranks:
+            if rank.identity is None:
+                raise DispatchError(rank.rank, "rank has not connected")
+            try:
+                self.sock.send(rank.identity, payload)
+            except zmq.ZMQError as exc:
+                raise DispatchError(rank.rank, str(exc)) from None
+            if not rank.local:
+                # Give a remote rank a fresh heartbeat window for this step.
+                rank.heard()
+
+    def wait(self, timeout_s: float, epoch: int, startup: bool = False) -> list[tuple[bytes, ReplyEnvelope]]:
+        """Replies that arrive within ``min(timeout_s, POLL_SLICE_S)`` (heartbeats only update
+        liveness). Frames that fail decoding or carry a foreign epoch are dropped and counted.
+        During startup a rank that does not know the epoch yet may send epoch 0."""
+        self._poller.poll(max(0.0, min(timeout_s, POLL_SLICE_S)) * 1000)
+        received: list[tuple[bytes, ReplyEnvelope]] = []
+        while self.sock.socket.poll(0):
+            try:
+                identity, frame = self.sock.recv_ready()
+                reply = decode_reply(frame, epoch=None if startup else epoch)
+                if startup and reply.epoch not in (0, epoch):
+                    raise ProtocolError(
+                        ProtocolError.FOREIGN_EPOCH, f"reply has epoch {reply.epoch}, expected {epoch}"
+                    )
+            except ProtocolError as exc:
+                self.rejected_frames += 1
+                log.warning(
+                    "reply frame rejected",
+                    reason=exc.reason,
+                    detail=exc.detail,
+                    rejected=self.rejected_frames,
+                )
+                continue
+            if 0 <= reply.rank < len(self.ranks):
+                self.ranks[reply.rank].heard()
+            if not isinstance(reply.body, Heartbeat):
+                received.append((identity, reply))
+        return received
+
+    def first_death(self, local_only: bool = False) -> RankHandle | None:
+        for rank in self.ranks:
+            if local_only and not rank.local:
+                continue
+            if rank.death(self.heartbeat_timeout) is not None:
+                return rank
+        return None
+
+    def stop_all(self, grace_s: float) -> None:
+        """Give local ranks ``grace_s`` to exit on their own, then kill and reap them."""
+        deadline = time.monotonic() + grace_s
+        for rank in self.ranks:
+            rank.join(max(0.0, deadline - time.monotonic()))
+        self.kill_all()
+
+    def kill_all(self) -> None:
+        for rank in self.ranks:
+            rank.kill()
+        for rank in self.ranks:
+            if not rank.join(10.0):
+                log.error("rank did not exit after SIGKILL", dead_rank=rank.rank)

@@ -1,0 +1,34 @@
+"""Structured logs for the coordinator: every line carries rank ("coordinator"), epoch and seq."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import structlog
+
+_configured = False
+
+
+def configure_logging(level: str = "info") -> None:
+    """Install the key=value renderer once; later calls keep the first configuration."""
+    global _configured
+    if _configured or structlog.is_configured():
+        return
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso"),
+            structlog.processors.KeyValueRenderer(
+                key_order=["timestamp", "level", "rank", "epoch", "seq", "event"]
+            ),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+    )
+    _configured = True
+
+
+def bind(epoch: int, seq: int) -> None:
+    structlog.contextvars.bind_contextvars(rank="coordinator", epoch=epoch, seq=seq)

@@ -1,0 +1,191 @@
+"""The executor: one synchronous call per step, from the scheduler's thread.
+
+Each call checks the command structurally (StepRejected, no poison), sends one envelope with the
+next seq to every rank, collects exactly ``world_size`` replies within the step timeout and
+validates them. The first Failed reply, a dead rank, a timeout or an invalid reply set poisons
+the executor: every rank is killed and reaped, and every later call raises ExecutorPoisoned
+with the first reason.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import NoReturn, TypeVar
+
+import structlog
+
+from executor import checks, responses
+from executor.collect import RankFailed, StepCollection
+from executor.config import ExecutorConfig
+from executor.errors import ExecutorError, ResponseError
+from executor.link import DispatchError, RankLink
+from executor.logs import bind
+from executor.model_info import ModelInfo
+from executor.poison import Poison
+from protocol import PROTOCOL_VERSION, encode
+from protocol.messages import (
+    Capacity,
+    Command,
+    Decode,
+    DecodeDone,
+    DecodeRow,
+    DropRequest,
+    Envelope,
+    Expectation,
+    Ping,
+    Precapture,
+    PrecapturePhase,
+    Prefill,
+    PrefillChunk,
+    PrefillDone,
+    ReplyEnvelope,
+    Shutdown,
+    SlotMove,
+    Unified,
+    UnifiedDone,
+)
+from protocol.transport import RuntimeDir
+
+log = structlog.get_logger("phalanx.executor")
+
+T = TypeVar("T")
+
+
+class Executor:
+    def __init__(
+        self,
+        config: ExecutorConfig,
+        link: RankLink,
+        epoch: int,
+        capacity: Capacity,
+        model_info: ModelInfo,
+        runtime_dir: RuntimeDir | None,
+        first_seq: int,
+    ) -> None:
+        self.config = config
+        self.epoch = epoch
+        self.capacity = capacity
+        self.model_info = model_info
+        self.world_size = len(link.ranks)
+        self._link = link
+        self._runtime_dir = runtime_dir
+        self._seq = first_seq
+        self._poison = Poison()
+        self._closed = False
+
+    @property
+    def poison_reason(self) -> str | None:
+        return self._poison.reason
+
+    @property
+    def address(self) -> str:
+        return self._link.sock.address
+
+    @property
+    def rank_pids(self) -> list[int | None]:
+        return [rank.process.pid if rank.process is not None else None for rank in self._link.ranks]
+
+    # -- the public calls -----------------------------------------------------------------------
+
+    def ping(self) -> None:
+        replies = self._step("ping", Ping())
+        self._validated(lambda: responses.validate_acks("ping", replies, self.world_size))
+
+    def prefill(self, chunks: list[PrefillChunk]) -> PrefillDone:
+        self._poison.ensure_healthy()
+        checks.check_prefill(chunks, self.capacity, self.model_info.vocab_size)
+        replies = self._step("prefill", Prefill(chunks))
+        return self._validated(lambda: responses.validate_prefill(replies, self.world_size))
+
+    def decode(self, rows: list[DecodeRow]) -> DecodeDone:
+        self._poison.ensure_healthy()
+        checks.check_decode(rows, self.capacity, self.model_info.vocab_size)
+        replies = self._step("decode", Decode(rows))
+        return self._validated(lambda: responses.validate_decode(replies, self.world_size))
+
+    def unified(self, chunks: list[PrefillChunk], rows: list[DecodeRow]) -> UnifiedDone:
+        self._poison.ensure_healthy()
+        checks.check_unified(chunks, rows, self.capacity, self.model_info.vocab_size)
+        replies = self._step("unified", Unified(chunks, rows))
+        return self._validated(lambda: responses.validate_unified(replies, self.world_size))
+
+    def drop(self, request_id: int, expectation: Expectation, move: SlotMove | None = None) -> None:
+        self._poison.ensure_healthy()
+        command = DropRequest(request_id, expectation, move)
+        checks.check_drop(command, self.capacity)
+        replies = self._step(responses.DROP_OP, command)
+        self._validated(lambda: responses.validate_drop(expectation, replies, self.world_size))
+
+    def precapture(self, phase: PrecapturePhase, timeout: float | None = None) -> None:
+        replies = self._step("precapture", Precapture(phase), timeout)
+        self._validated(lambda: responses.validate_acks("precapture", replies, self.world_size))
+
+    def shutdown(self) -> None:
+        """Shutdown to every rank, a bounded join, then kill; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        grace = self.config.shutdown_timeout
+        if self._poison.reason is None:
+            started = time.monotonic()
+            try:
+                self._step("shutdown", Shutdown(), timeout=grace)
+            except ExecutorError as exc:
+                log.warning("shutdown was not acknowledged by every rank", error=str(exc))
+            grace = max(0.0, grace - (time.monotonic() - started))
+        self._link.stop_all(grace)
+        self._link.sock.close()
+        if self._runtime_dir is not None:
+            self._runtime_dir.remove()
+        log.info("executor shut down")
+
+    def __enter__(self) -> Executor:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.shutdown()
+
+    # -- the machinery --------------------------------------------------------------------------
+
+    def _fail(self, reason: str) -> NoReturn:
+        error = self._poison.set(reason)
+        self._link.kill_all()
+        raise error
+
+    def _validated(self, validate: Callable[[], T]) -> T:
+        try:
+            return validate()
+        except ResponseError as exc:
+            self._fail(str(exc))
+
+    def _step(self, op: str, body: Command, timeout: float | None = None) -> list[ReplyEnvelope]:
+        self._poison.ensure_healthy()
+        if self._closed and op != "shutdown":
+            raise ExecutorError(f"{op} called after shutdown")
+        self._seq += 1
+        seq = self._seq
+        bind(self.epoch, seq)
+        timeout = self.config.step_timeout if timeout is None else timeout
+        try:
+            self._link.broadcast(encode(Envelope(PROTOCOL_VERSION, self.epoch, seq, body)))
+        except DispatchError as exc:
+            self._fail(f"failed to dispatch {op} to rank {exc.rank}: {exc.error}")
+        collection = StepCollection(op, seq, self.world_size)
+        deadline = time.monotonic() + timeout
+        while not collection.done:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self._fail(
+                    f"{op} did not complete within {timeout:g} s: no reply from ranks {collection.missing_ranks()}"
+                )
+            try:
+                for _identity, reply in self._link.wait(remaining, self.epoch):
+                    collection.offer(reply)
+            except RankFailed as exc:
+                self._fail(str(exc))
+            if not collection.done:
+                dead = self._link.first_death()
+                if dead is not None:
+                    self._fail(f"{dead.death(self._link.heartbeat_timeout)} during {op}")
+        return collection.replies

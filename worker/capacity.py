@@ -1,0 +1,38 @@
+"""How much one rank can hold: from the configured limits on CPU, from free memory on CUDA."""
+
+from __future__ import annotations
+
+import torch
+
+from protocol.messages import Capacity
+from worker.config import WorkerLimits
+
+# Kept free on CUDA for activations, the prefill scratch, the allocator and the communicator.
+CUDA_RESERVE_BYTES = 512 << 20
+MIB = 1 << 20
+
+
+class CapacityError(RuntimeError):
+    pass
+
+
+def size_capacity(limits: WorkerLimits, model, device: torch.device, rank: int) -> Capacity:
+    """Each request needs two state slots (prefill staging and decode) and its KV pages."""
+    if device.type != "cuda":
+        return Capacity(limits.kv_pages, limits.page_size, limits.max_slots, limits.max_batch_tokens)
+    free, _total = torch.cuda.mem_get_info(device)
+    budget = free - CUDA_RESERVE_BYTES
+    per_request_state = 2 * model.state_bytes_per_slot()
+    slots = min(limits.max_slots, max(0, budget) // per_request_state)
+    if slots < 1:
+        raise CapacityError(
+            f"rank {rank} has {free // MIB} MiB free, but one request's recurrent state needs "
+            f"{per_request_state // MIB} MiB beyond the {CUDA_RESERVE_BYTES // MIB} MiB reserve"
+        )
+    budget -= slots * per_request_state
+    pages = budget // model.kv_bytes_per_page(limits.page_size) - 1  # one page is the padding page
+    if limits.kv_pages:
+        pages = min(pages, limits.kv_pages)
+    if pages < 1:
+        raise CapacityError(f"rank {rank} has no memory left for KV pages after {slots} request states")
+    return Capacity(int(pages), limits.page_size, int(slots), limits.max_batch_tokens)

@@ -1,0 +1,235 @@
+"""Checking and executing the step commands on one rank: Prefill, Decode, Unified, DropRequest.
+
+Every command is first checked against this rank's state (unknown request, phase, cached
+length, page coverage, slot owner); a mismatch raises WorkerStateError before any model work.
+Rank 0 samples and returns TokenResults; other ranks return None (the loop answers Ack).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from models.qwen35 import DecodeBatch, PrefillBatch
+from protocol.messages import DecodeRow, DropRequest, PrefillChunk, TokenResult
+from protocol.packing import unpack_list
+from worker.errors import WorkerStateError
+from worker.faults import fault_point
+from worker.request_table import Phase, RequestState, RequestTable
+from worker.sampling import sample
+from worker.slots import SlotTable
+
+
+@dataclass
+class _ChunkPlan:
+    chunk: PrefillChunk
+    state: RequestState
+    tokens: list[int]
+    pages: list[int]
+
+
+@dataclass
+class _RowPlan:
+    row: DecodeRow
+    state: RequestState
+    pages: list[int]
+
+
+class StepRunner:
+    def __init__(
+        self,
+        model,
+        device: torch.device,
+        rank: int,
+        page_size: int,
+        kv_pages: int,
+        max_slots: int,
+        max_batch_tokens: int,
+    ) -> None:
+        self.model = model
+        self.device = device
+        self.rank = rank
+        self.page_size = page_size
+        self.kv_pages = kv_pages  # page id kv_pages is the padding page
+        self.max_batch_tokens = max_batch_tokens
+        self.requests = RequestTable(max_slots)
+        self.slots = SlotTable(max_slots)
+
+    # -- checks ---------------------------------------------------------------------------------
+
+    def _pages(self, request_id: int, packed: bytes, tokens_covered: int) -> list[int]:
+        pages = unpack_list(packed)
+        needed = -(-tokens_covered // self.page_size)
+        if len(pages) < needed:
+            raise WorkerStateError(
+                f"page table of request {request_id} has {len(pages)} pages; "
+                f"{needed} are needed for {tokens_covered} tokens"
+            )
+        for page in pages:
+            if not 0 <= page <= self.kv_pages:
+                raise WorkerStateError(
+                    f"page id {page} of request {request_id} is outside the KV pool of {self.kv_pages} pages"
+                )
+        return pages
+
+    @staticmethod
+    def _unique(op: str, request_ids: list[int]) -> None:
+        seen: set[int] = set()
+        for request_id in request_ids:
+            if request_id in seen:
+                raise WorkerStateError(f"duplicate request id {request_id} in one {op} command")
+            seen.add(request_id)
+
+    def _plan_prefill(self, chunks: list[PrefillChunk]) -> list[_ChunkPlan]:
+        self._unique("prefill", [chunk.request_id for chunk in chunks])
+        total = 0
+        plans = []
+        for chunk in chunks:
+            tokens = unpack_list(chunk.tokens)
+            if not tokens:
+                raise WorkerStateError(f"prefill chunk for request {chunk.request_id} is empty")
+            total += len(tokens)
+            if chunk.start == 0:
+                state = self.requests.begin(chunk.request_id)
+            else:
+                state = self.requests.require(chunk.request_id, "prefill")
+                if state.phase is not Phase.PREFILLING:
+                    raise WorkerStateError(
+                        f"request {chunk.request_id} is already in {state.phase.value} state"
+                    )
+                if state.cached != chunk.start:
+                    raise WorkerStateError(
+                        f"prefill chunk for request {chunk.request_id} starts at {chunk.start} "
+                        f"but {state.cached} tokens are cached"
+                    )
+            pages = self._pages(chunk.request_id, chunk.page_ids, chunk.start + len(tokens))
+            plans.append(_ChunkPlan(chunk, state, tokens, pages))
+        if total > self.max_batch_tokens:
+            raise WorkerStateError(
+                f"prefill of {total} tokens exceeds worker max_batch_tokens {self.max_batch_tokens}"
+            )
+        return plans
+
+    def _plan_decode(self, rows: list[DecodeRow]) -> list[_RowPlan]:
+        self._unique("decode", [row.request_id for row in rows])
+        plans = []
+        for row in rows:
+            state = self.requests.require(row.request_id, "decode")
+            if state.phase is Phase.PREFILLING:
+                raise WorkerStateError(f"request {row.request_id} is not ready for decode")
+            if row.position != state.cached:
+                raise WorkerStateError(
+                    f"decode row of request {row.request_id} is at position {row.position} "
+                    f"but {state.cached} tokens are cached"
+                )
+            if state.phase is Phase.PREFILLED:
+                self.slots.admit(row.slot, row.request_id)
+            elif state.decode_slot != row.slot:
+                raise WorkerStateError(
+                    f"decode row of request {row.request_id} carries slot {row.slot} "
+                    f"but the request lives in slot {state.decode_slot}"
+                )
+            pages = self._pages(row.request_id, row.page_ids, row.position + 1)
+            plans.append(_RowPlan(row, state, pages))
+        return plans
+
+    # -- execution ------------------------------------------------------------------------------
+
+    def _run_prefill(self, plans: list[_ChunkPlan]) -> list[TokenResult] | None:
+        batch = PrefillBatch.build(
+            [(plan.tokens, plan.chunk.start, plan.state.state_slot, plan.pages) for plan in plans],
+            self.device,
+        )
+        logits = self.model.prefill(batch)
+        for plan in plans:
+            plan.state.cached = plan.chunk.start + len(plan.tokens)
+            if plan.chunk.last:
+                plan.state.phase = Phase.PREFILLED
+        if self.rank != 0:
+            return None
+        final = [index for index, plan in enumerate(plans) if plan.chunk.last]
+        if not final:
+            return []
+        samples = sample(
+            logits[final],
+            [plans[i].chunk.sampling for i in final],
+            [plans[i].state.cached for i in final],
+        )
+        return [
+            TokenResult(plans[i].chunk.request_id, *drawn) for i, drawn in zip(final, samples, strict=True)
+        ]
+
+    def _run_decode(self, plans: list[_RowPlan]) -> list[TokenResult] | None:
+        for plan in plans:
+            if plan.state.phase is Phase.PREFILLED:
+                self.model.copy_state(plan.state.state_slot, plan.row.slot)
+                self.requests.promote(plan.state, plan.row.slot)
+        batch = DecodeBatch.build(
+            [(plan.row.token, plan.row.position, plan.row.slot, plan.pages) for plan in plans], self.device
+        )
+        logits = self.model.decode(batch)
+        for plan in plans:
+            plan.state.cached += 1
+        if self.rank != 0:
+            return None
+        samples = sample(
+            logits, [plan.row.sampling for plan in plans], [plan.row.position + 1 for plan in plans]
+        )
+        return [TokenResult(plan.row.request_id, *drawn) for plan, drawn in zip(plans, samples, strict=True)]
+
+    # -- commands -------------------------------------------------------------------------------
+
+    def prefill(self, chunks: list[PrefillChunk]) -> list[TokenResult] | None:
+        fault_point("prefill", self.rank)
+        return self._run_prefill(self._plan_prefill(chunks))
+
+    def decode(self, rows: list[DecodeRow]) -> list[TokenResult] | None:
+        fault_point("decode", self.rank)
+        return self._run_decode(self._plan_decode(rows))
+
+    def unified(
+        self, chunks: list[PrefillChunk], rows: list[DecodeRow]
+    ) -> tuple[list[TokenResult], list[TokenResult]] | None:
+        """Prefill first, then decode; both halves are checked before either runs."""
+        fault_point("unified", self.rank)
+        prefill_ids = {chunk.request_id for chunk in chunks}
+        for row in rows:
+            if row.request_id in prefill_ids:
+                raise WorkerStateError(f"request {row.request_id} appears in both prefill and decode")
+        decode_plans = self._plan_decode(rows)
+        prefill_plans = self._plan_prefill(chunks)
+        prefill_results = self._run_prefill(prefill_plans)
+        decode_results = self._run_decode(decode_plans)
+        if prefill_results is None or decode_results is None:
+            return None
+        return prefill_results, decode_results
+
+    def drop(self, command: DropRequest) -> bool:
+        """Forget a request (and apply the slot compaction); returns whether it existed here."""
+        fault_point("drop", self.rank)
+        state = self.requests.get(command.request_id)
+        if command.move is None:
+            if state is not None and state.phase is Phase.DECODING and state.decode_slot is not None:
+                self.slots.release(state.decode_slot, command.request_id)
+            self.requests.remove(command.request_id)
+            return state is not None
+        if state is None:
+            raise WorkerStateError(f"drop of absent request {command.request_id} carries a slot compaction")
+        move = command.move
+        if state.phase is Phase.DECODING and state.decode_slot != move.to_slot:
+            raise WorkerStateError(
+                f"request {command.request_id} lives in slot {state.decode_slot} "
+                f"but the scheduler dropped it from slot {move.to_slot}"
+            )
+        moved = self.requests.require(move.request_id, "moved")
+        if moved.phase is Phase.DECODING and moved.decode_slot != move.from_slot:
+            raise WorkerStateError(
+                f"request {move.request_id} lives in slot {moved.decode_slot} "
+                f"but the scheduler moved it from slot {move.from_slot}"
+            )
+        if self.slots.compact(command.request_id, move.request_id, move.from_slot, move.to_slot):
+            self.model.copy_state(move.from_slot, move.to_slot)
+            moved.decode_slot = move.to_slot
+        self.requests.remove(command.request_id)
+        return True

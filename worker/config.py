@@ -1,0 +1,41 @@
+"""Everything one rank needs to start, encodable (msgspec JSON) so no pickle crosses the spawn."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class WorkerLimits(msgspec.Struct, frozen=True):
+    """Configured upper bounds. On CPU they are the capacity; on CUDA free memory may lower them.
+
+    ``kv_pages`` 0 on CUDA means "as many as fit".
+    """
+
+    kv_pages: int
+    page_size: int
+    max_slots: int
+    max_batch_tokens: int
+
+
+class WorkerConfig(msgspec.Struct, frozen=True):
+    model_dir: str
+    rank: int
+    world_size: int
+    coordinator: str  # the coordinator's ROUTER address (ipc:// or tcp://)
+    limits: WorkerLimits
+    device: str = "cpu"  # "cpu" or "cuda"
+    local_rank: int = 0  # the CUDA device index on this host
+    dtype: str = ""  # "" picks float32 on CPU, bfloat16 on CUDA
+    epoch: int = 0  # 0: not known yet (ranks started by torchrun learn it from Go)
+    dist_init_timeout: float = 60.0  # the startup watchdog
+    gate_timeout: float = 600.0  # how long to wait for Go/Cancel before giving up
+    heartbeat_interval: float = 0.0  # > 0 for ranks the coordinator did not spawn
+    log_level: str = "info"
+
+
+def encode_config(config: WorkerConfig) -> bytes:
+    return msgspec.json.encode(config)
+
+
+def decode_config(data: bytes) -> WorkerConfig:
+    return msgspec.json.decode(data, type=WorkerConfig)

@@ -1,0 +1,30 @@
+"""The spawn target for ranks the coordinator starts itself. Imports nothing heavy at module level,
+so the coordinator can name it without importing torch."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+
+def _exit_when_orphaned(parent_pid: int) -> None:
+    """A rank whose coordinator died (even by SIGKILL) must not linger: it exits on its own."""
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != parent_pid:
+            os._exit(4)
+
+
+def spawn_main(config_json: bytes) -> None:
+    """Run one rank and leave with its exit code, skipping interpreter teardown: a peer wedged
+    in a collective must not be able to hang our exit."""
+    threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
+    from worker.config import decode_config
+    from worker.main import run_worker
+
+    code = run_worker(decode_config(config_json))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

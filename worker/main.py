@@ -1,0 +1,174 @@
+"""One rank from start to exit: bind the device, load the shard, size capacity, report Ready or
+Failed, wait for Go or Cancel, initialise torch.distributed under the startup watchdog, allocate
+the caches, then run the command loop.
+
+Exit codes: 0 after Shutdown, 1 after a failure (startup or poison), 3 after Cancel.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+from datetime import timedelta
+
+import structlog
+import torch
+
+from protocol import PROTOCOL_VERSION, ProtocolError, decode_envelope, encode
+from protocol.messages import Cancel, Capacity, Failed, Go, Ready, ReplyEnvelope
+from protocol.transport import RankSocket
+from worker.capacity import size_capacity
+from worker.commands import StepRunner
+from worker.config import WorkerConfig
+from worker.faults import fault_point
+from worker.heartbeat import HeartbeatThread
+from worker.logs import bind_epoch, configure_logging
+from worker.loop import EXIT_OK, EXIT_POISONED, CommandLoop
+from worker.watchdog import Watchdog
+
+log = structlog.get_logger("phalanx.worker")
+
+EXIT_CANCELLED = 3
+
+
+class StartupFailure(Exception):
+    def __init__(self, phase: str, cause: BaseException) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.phase = phase
+
+
+def _device(config: WorkerConfig) -> torch.device:
+    if config.device == "cuda":
+        torch.cuda.set_device(config.local_rank)
+        return torch.device("cuda", config.local_rank)
+    if config.device != "cpu":
+        raise ValueError(f"unknown device {config.device!r} (cpu or cuda)")
+    # Ranks on one host share its cores; oversubscribing them slows every collective.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.world_size))
+    return torch.device("cpu")
+
+
+def _dtype(config: WorkerConfig) -> torch.dtype:
+    if config.dtype:
+        return getattr(torch, config.dtype)
+    return torch.bfloat16 if config.device == "cuda" else torch.float32
+
+
+def _wait_for_decision(sock: RankSocket, config: WorkerConfig) -> tuple[int, Go | Cancel]:
+    """Block until Go or Cancel arrives (or the gate times out); returns (epoch, decision)."""
+    deadline = time.monotonic() + config.gate_timeout
+    while (remaining := deadline - time.monotonic()) > 0:
+        frame = sock.recv(remaining)
+        if frame is None:
+            break
+        try:
+            envelope = decode_envelope(frame, epoch=config.epoch or None)
+        except ProtocolError as exc:
+            log.warning("frame rejected while waiting for go", reason=exc.reason, detail=exc.detail)
+            continue
+        if isinstance(envelope.body, Go | Cancel):
+            return envelope.epoch, envelope.body
+        log.warning("unexpected command before go", op=type(envelope.body).__name__)
+    raise TimeoutError(f"no Go or Cancel from the coordinator within {config.gate_timeout:g} s")
+
+
+def _init_distributed(config: WorkerConfig, go: Go, device: torch.device) -> None:
+    if config.world_size == 1:
+        return
+    with Watchdog(config.dist_init_timeout, config.rank, "startup:dist_init"):
+        fault_point("dist_init", config.rank)
+        torch.distributed.init_process_group(
+            backend=go.dist_backend,
+            init_method=go.dist_init_method,
+            rank=config.rank,
+            world_size=config.world_size,
+            timeout=timedelta(seconds=config.dist_init_timeout),
+            device_id=device if device.type == "cuda" else None,
+        )
+        # The rendezvous alone does not prove the links work: one collective does.
+        probe = torch.ones(1, device=device)
+        torch.distributed.all_reduce(probe)
+        if int(probe.item()) != config.world_size:
+            raise RuntimeError(f"dist init probe summed to {probe.item()}, expected {config.world_size}")
+
+
+def _startup(sock: RankSocket, config: WorkerConfig) -> tuple[StepRunner, int] | int:
+    """Returns (runner, epoch) when serving may start, or an exit code."""
+    from models.qwen35 import Qwen35Model
+
+    phase = "startup:device"
+    try:
+        device = _device(config)
+        phase = "startup:load"
+        fault_point("load", config.rank)
+        model = Qwen35Model.load(
+            config.model_dir,
+            rank=config.rank,
+            world_size=config.world_size,
+            device=device,
+            dtype=_dtype(config),
+        )
+        phase = "startup:capacity"
+        local = size_capacity(config.limits, model, device, config.rank)
+    except Exception as exc:
+        raise StartupFailure(phase, exc) from exc
+    ready = Ready(local, str(device), os.getpid(), socket.gethostname())
+    sock.send(encode(ReplyEnvelope(PROTOCOL_VERSION, config.epoch, config.rank, 0, ready)))
+    log.info("ready", capacity=local)
+
+    try:
+        phase = "startup:gate"
+        epoch, decision = _wait_for_decision(sock, config)
+        if isinstance(decision, Cancel):
+            log.warning("startup cancelled", reason=decision.reason)
+            return EXIT_CANCELLED
+        bind_epoch(epoch)
+        effective: Capacity = decision.capacity
+        if not (0 < effective.max_slots <= local.max_slots and 0 < effective.kv_pages <= local.kv_pages):
+            raise ValueError(f"effective capacity {effective} exceeds local capacity {local}")
+        phase = "startup:dist_init"
+        _init_distributed(config, decision, device)
+        phase = "startup:allocate"
+        model.allocate_cache(effective.kv_pages + 1, effective.page_size, 2 * effective.max_slots)
+    except Exception as exc:
+        raise StartupFailure(phase, exc) from exc
+    runner = StepRunner(
+        model,
+        device,
+        config.rank,
+        effective.page_size,
+        effective.kv_pages,
+        effective.max_slots,
+        effective.max_batch_tokens,
+    )
+    return runner, epoch
+
+
+def run_worker(config: WorkerConfig) -> int:
+    configure_logging(config.rank, config.epoch, config.log_level)
+    sock = RankSocket(config.coordinator, f"rank-{config.rank}".encode())
+    heartbeat: HeartbeatThread | None = None
+    try:
+        try:
+            started = _startup(sock, config)
+        except StartupFailure as exc:
+            log.error("startup failed", phase=exc.phase, error=str(exc))
+            failed = Failed("startup", str(exc), exc.phase, traceback.format_exc())
+            sock.send(encode(ReplyEnvelope(PROTOCOL_VERSION, config.epoch, config.rank, 0, failed)))
+            return EXIT_POISONED
+        if isinstance(started, int):
+            return started
+        runner, epoch = started
+        if config.heartbeat_interval > 0:
+            heartbeat = HeartbeatThread(config.coordinator, config.rank, epoch, config.heartbeat_interval)
+            heartbeat.start()
+        code = CommandLoop(sock, config.rank, epoch, runner).run()
+        if code == EXIT_OK and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        return code
+    finally:
+        if heartbeat is not None:
+            heartbeat.stop()
+        sock.close()

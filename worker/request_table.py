@@ -1,0 +1,90 @@
+"""Per-request state on one rank: its phase, how many tokens are cached, and where its state lives.
+
+State slots ``0..max_slots-1`` are the dense decode slots (the scheduler assigns them).
+Slots ``max_slots..2*max_slots-1`` are prefill staging states, which the worker hands out itself,
+lowest free first: every rank sees the same commands in the same order, so every rank picks the
+same staging slot without being told.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+from dataclasses import dataclass
+
+from worker.errors import WorkerStateError
+
+
+class Phase(enum.Enum):
+    PREFILLING = "prefilling"  # prompt chunks still arriving; state in a staging slot
+    PREFILLED = "prefilled"  # prompt complete; waits for its first decode row
+    DECODING = "decoding"  # state lives in its dense decode slot
+
+
+@dataclass
+class RequestState:
+    request_id: int
+    phase: Phase
+    cached: int  # tokens in the KV cache, i.e. the position of the next token
+    staging_slot: int | None
+    decode_slot: int | None = None
+
+    @property
+    def state_slot(self) -> int:
+        slot = self.decode_slot if self.phase is Phase.DECODING else self.staging_slot
+        if slot is None:
+            raise WorkerStateError(f"request {self.request_id} in phase {self.phase.value} has no state slot")
+        return slot
+
+
+class RequestTable:
+    def __init__(self, max_slots: int) -> None:
+        self.max_slots = max_slots
+        self.requests: dict[int, RequestState] = {}
+        self._free_staging = list(range(max_slots, 2 * max_slots))
+        heapq.heapify(self._free_staging)
+
+    def __contains__(self, request_id: int) -> bool:
+        return request_id in self.requests
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def get(self, request_id: int) -> RequestState | None:
+        return self.requests.get(request_id)
+
+    def require(self, request_id: int, op: str) -> RequestState:
+        state = self.requests.get(request_id)
+        if state is None:
+            raise WorkerStateError(f"{op} request {request_id} has no worker state")
+        return state
+
+    def begin(self, request_id: int) -> RequestState:
+        """A request's first prefill chunk: give it the lowest free staging slot."""
+        if request_id in self.requests:
+            raise WorkerStateError(
+                f"request {request_id} already has worker state ({self.requests[request_id].phase.value}) "
+                "at a prefill chunk with start 0"
+            )
+        if not self._free_staging:
+            raise WorkerStateError(f"prefill chunks would exceed worker capacity {self.max_slots}")
+        state = RequestState(request_id, Phase.PREFILLING, 0, heapq.heappop(self._free_staging))
+        self.requests[request_id] = state
+        return state
+
+    def promote(self, state: RequestState, decode_slot: int) -> None:
+        """First decode row: the state has been copied into ``decode_slot``; free the staging slot."""
+        self._free(state)
+        state.phase = Phase.DECODING
+        state.decode_slot = decode_slot
+
+    def remove(self, request_id: int) -> RequestState | None:
+        state = self.requests.pop(request_id, None)
+        if state is not None:
+            self._free(state)
+        return state
+
+    def _free(self, state: RequestState) -> None:
+        if state.staging_slot is not None:
+            heapq.heappush(self._free_staging, state.staging_slot)
+            state.staging_slot = None
