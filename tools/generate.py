@@ -1,0 +1,107 @@
+"""``phalanx generate``: one prompt through a freshly launched replica, printed as text or JSON.
+
+Without ``--model`` it runs the embedded tiny demo model (built on first use into the user's
+cache directory). Prompts are tokenized with the model directory's ``tokenizer.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from executor.engine import Engine, EngineConfig, ErrorEvent, FinishEvent, GenerationParams, TokenEvent
+from executor.model_info import read_model_info
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", type=Path, default=None, help="model directory (default: the tiny demo model)"
+    )
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (ranks)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--cuda-graph", action="store_true", help="decode from CUDA graphs (cuda only)")
+    prompt = parser.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text")
+    prompt.add_argument("--prompt-ids", help="prompt token ids, comma separated (e.g. 1,2,3)")
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0, help="0 disables it")
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--ignore-eos", action="store_true", help="generate max-tokens tokens even past EOS")
+    parser.add_argument(
+        "--kv-pages",
+        type=int,
+        default=None,
+        help="KV pages per rank (default: 512 on cpu, all that fit on cuda)",
+    )
+    parser.add_argument("--json", action="store_true", help='print {"token_ids", "text", "finish_reason"}')
+
+
+def parse_prompt_ids(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return _generate(args)
+    except ValueError as exc:
+        print(f"phalanx generate: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _generate(args: argparse.Namespace) -> int:
+    if args.model is None:
+        from tools.demo_model import demo_model_dir
+
+        model_dir = demo_model_dir()
+    else:
+        model_dir = args.model
+    tokenizer_path = Path(model_dir) / "tokenizer.json"
+    if not tokenizer_path.is_file():
+        raise ValueError(f"no tokenizer.json in model directory {model_dir}")
+    tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    prompt_ids = (
+        parse_prompt_ids(args.prompt_ids) if args.prompt is None else tokenizer.encode(args.prompt).ids
+    )
+    params = GenerationParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+    )
+    params.validate()  # refuse bad flags and impossible prompts before paying for a launch
+    context = read_model_info(model_dir).max_position_embeddings
+    if len(prompt_ids) + params.max_tokens > context:
+        raise ValueError(
+            f"prompt of {len(prompt_ids)} tokens plus max_tokens {params.max_tokens} exceeds the "
+            f"model context of {context} tokens"
+        )
+    kv_pages = args.kv_pages if args.kv_pages is not None else (512 if args.device == "cpu" else 0)
+    config = EngineConfig(
+        model_dir=model_dir, tp=args.tp, device=args.device, kv_pages=kv_pages, cuda_graph=args.cuda_graph
+    )
+    with Engine.start(config) as engine:
+        events = list(engine.submit(prompt_ids, params))
+    final = events[-1]
+    if isinstance(final, ErrorEvent):
+        print(f"phalanx generate: generation failed: {final.message}", file=sys.stderr)
+        return 1
+    if not isinstance(final, FinishEvent):
+        raise RuntimeError(f"stream ended without a final event: {final!r}")
+    token_ids = [event.token_id for event in events if isinstance(event, TokenEvent)]
+    text = tokenizer.decode(token_ids, skip_special_tokens=True)
+    if args.json:
+        print(json.dumps({"token_ids": token_ids, "text": text, "finish_reason": final.reason}))
+    else:
+        print(text)
+    return 0
