@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from executor.precapture import sweep_phases
 from models.qwen35 import Qwen35Model
 from models.qwen35.batch import DecodeBatch, PrefillBatch
 from protocol.messages import Capture, Finalize, Launch, Warmup
@@ -19,38 +20,45 @@ PAGES_PER_REQUEST = 4
 KV_PAGES = 48  # usable pages; page KV_PAGES is the padding page
 MAX_BATCH = 5  # top bucket 8
 LAYOUT = state_slot_layout(MAX_BATCH, cuda_graph=True)  # decode 0..4, staging 5..9, spare 10..12
+CPU = torch.device("cpu")
 
 
-def _load(model_dir: Path) -> Qwen35Model:
-    model = Qwen35Model.load(model_dir, rank=0, world_size=1, device=torch.device("cpu"), dtype=torch.float32)
+def _load(model_dir: Path, device: torch.device, dtype: torch.dtype) -> Qwen35Model:
+    model = Qwen35Model.load(model_dir, rank=0, world_size=1, device=device, dtype=dtype)
     model.allocate_cache(KV_PAGES + 1, PAGE_SIZE, LAYOUT.total)
     return model
 
 
-def _pages(request: int) -> list[int]:
-    return list(range(request * PAGES_PER_REQUEST, (request + 1) * PAGES_PER_REQUEST))
-
-
 class Pair:
-    """Two copies of the tiny model fed the same requests: one decodes plainly, one via the runner."""
+    """Two copies of the tiny model fed the same requests: one decodes plainly, one via the runner
+    (after the full pre-capture sweep). Each step checks the runner's logits against plain decode."""
 
-    def __init__(self, model_dir: Path, num_requests: int) -> None:
-        self.plain = _load(model_dir)
-        self.graphed = _load(model_dir)
+    def __init__(
+        self,
+        model_dir: Path,
+        num_requests: int,
+        *,
+        device: torch.device = CPU,
+        dtype: torch.dtype = torch.float32,
+        tolerance: float = 1e-5,
+        pages_per_request: int = PAGES_PER_REQUEST,
+    ) -> None:
+        self.device = device
+        self.tolerance = tolerance
+        self.pages_per_request = pages_per_request
+        self.plain = _load(model_dir, device, dtype)
+        self.graphed = _load(model_dir, device, dtype)
         geometry = GraphGeometry(
             max_batch=MAX_BATCH,
-            max_pages=PAGES_PER_REQUEST,
+            max_pages=pages_per_request,
             padding_page=KV_PAGES,
             spare_slot_base=LAYOUT.spare_base,
-            hidden_size=64,
-            dtype=torch.float32,
+            hidden_size=self.graphed.config.hidden_size,
+            dtype=dtype,
         )
-        self.runner = DecodeGraphRunner(self.graphed, geometry, torch.device("cpu"))
-        for phase in [Warmup(), Capture(8), Launch(8), Capture(4), Launch(4), Capture(2), Launch(2)]:
+        self.runner = DecodeGraphRunner(self.graphed, geometry, device)
+        for phase in sweep_phases(self.runner.buckets):
             self.runner.run_phase(phase)
-        self.runner.run_phase(Capture(1))
-        self.runner.run_phase(Launch(1))
-        self.runner.run_phase(Finalize())
         generator = torch.Generator().manual_seed(7)
         self.slot_of: dict[int, int] = {}
         self.position: dict[int, int] = {}
@@ -59,23 +67,34 @@ class Pair:
         for request in range(num_requests):
             length = 3 + 2 * request
             prompt = torch.randint(0, 384, (length,), generator=generator).tolist()
-            chunks.append((prompt, 0, request, _pages(request)[: -(-length // PAGE_SIZE)]))
+            chunks.append((prompt, 0, request, self.pages(request)[: -(-length // PAGE_SIZE)]))
             self.slot_of[request] = request
             self.position[request] = length
         for model in (self.plain, self.graphed):
-            logits = model.prefill(PrefillBatch.build(chunks))
+            logits = model.prefill(PrefillBatch.build(chunks, device))
         for request, row in enumerate(logits.argmax(-1).tolist()):
             self.token[request] = row
 
-    def step(self, requests: list[int], occupied: list[int] | None = None) -> None:
-        rows = [
-            (self.token[r], self.position[r], self.slot_of[r], _pages(r)[: self.position[r] // PAGE_SIZE + 1])
+    def pages(self, request: int) -> list[int]:
+        return list(range(request * self.pages_per_request, (request + 1) * self.pages_per_request))
+
+    def rows(self, requests: list[int]) -> list[tuple[int, int, int, list[int]]]:
+        return [
+            (
+                self.token[r],
+                self.position[r],
+                self.slot_of[r],
+                self.pages(r)[: self.position[r] // PAGE_SIZE + 1],
+            )
             for r in requests
         ]
-        expected = self.plain.decode(DecodeBatch.build(rows))
+
+    def step(self, requests: list[int], occupied: list[int] | None = None) -> None:
+        rows = self.rows(requests)
+        expected = self.plain.decode(DecodeBatch.build(rows, self.device))
         got = self.runner.decode(DecodeBatch.build(rows), occupied_slots=occupied or [])
         assert got.shape == expected.shape
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got, expected, rtol=self.tolerance, atol=self.tolerance)
         for r, token in zip(requests, expected.argmax(-1).tolist(), strict=True):
             self.token[r] = token
             self.position[r] += 1
@@ -119,7 +138,7 @@ def test_padding_rows_never_touch_a_live_slot_outside_the_batch(pair_factory) ->
 
 
 def test_sweep_phases_must_arrive_in_order(tiny_model_dir: Path) -> None:
-    model = _load(tiny_model_dir)
+    model = _load(tiny_model_dir, CPU, torch.float32)
     geometry = GraphGeometry(
         max_batch=3,
         max_pages=2,
@@ -128,7 +147,7 @@ def test_sweep_phases_must_arrive_in_order(tiny_model_dir: Path) -> None:
         hidden_size=64,
         dtype=torch.float32,
     )
-    runner = DecodeGraphRunner(model, geometry, torch.device("cpu"))
+    runner = DecodeGraphRunner(model, geometry, CPU)
     assert runner.buckets == (1, 2, 4) and not runner.uses_cuda_graphs
     with pytest.raises(GraphError, match="pre-capture capture of bucket 4 before Warmup"):
         runner.run_phase(Capture(4))
