@@ -1,0 +1,339 @@
+"""Triton paged attention: decode (flash-decoding with split-K) and chunked causal prefill.
+
+Same signatures and semantics as ``kernels/attention.py``. KV cache ``[pages, page_size, Hkv, D]``;
+a position p of a sequence lives at page ``page_table[p // page_size]``, offset ``p % page_size``.
+Decode is CUDA-graph capturable: every launch parameter comes from tensor shapes, never values."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# The CPU interpreter computes bf16 dot products wrongly; upcast the operands there.
+_DOT_F32 = os.environ.get("TRITON_INTERPRET") == "1"
+_SMS = 132  # H200; only sizes the split-K grid, so a different GPU is still correct
+
+
+@triton.jit
+def _load_kv_block(cache_ptr, pt_row_ptr, pos, pos_mask, stride_page, stride_tok, d, PAGE: tl.constexpr):
+    page = tl.load(pt_row_ptr + pos // PAGE, mask=pos_mask, other=0)
+    ptrs = cache_ptr + page[:, None] * stride_page + (pos % PAGE)[:, None] * stride_tok + d[None, :]
+    return tl.load(ptrs, mask=pos_mask[:, None], other=0.0)
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr,
+    kc_ptr,
+    vc_ptr,
+    pt_ptr,
+    lens_ptr,
+    o_ptr,
+    po_ptr,
+    plse_ptr,
+    stride_qb,
+    stride_qh,
+    stride_page,
+    stride_tok,
+    stride_kvh,
+    stride_ptb,
+    stride_ob,
+    stride_oh,
+    H,
+    split_size,
+    scale,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    D: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLITS: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    sp = tl.program_id(2)
+    seq_len = tl.load(lens_ptr + b)
+    start = sp * split_size
+    end = tl.minimum(start + split_size, seq_len)
+    g = tl.arange(0, GROUP_PAD)
+    g_mask = g < GROUP
+    d = tl.arange(0, D)
+    heads = kvh * GROUP + g
+    q = tl.load(
+        q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g_mask[:, None], other=0.0
+    )
+    if DOT_F32:
+        q = q.to(tl.float32)
+    m = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
+    l_sum = tl.zeros((GROUP_PAD,), tl.float32)
+    acc = tl.zeros((GROUP_PAD, D), tl.float32)
+    pt_row = pt_ptr + b * stride_ptb
+    kc = kc_ptr + kvh * stride_kvh
+    vc = vc_ptr + kvh * stride_kvh
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        pos_mask = pos < end
+        k = _load_kv_block(kc, pt_row, pos, pos_mask, stride_page, stride_tok, d, PAGE=PAGE)
+        v = _load_kv_block(vc, pt_row, pos, pos_mask, stride_page, stride_tok, d, PAGE=PAGE)
+        if DOT_F32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k)) * scale
+        s = tl.where(pos_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_sum = l_sum * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    safe_l = tl.where(l_sum > 0.0, l_sum, 1.0)
+    out = acc / safe_l[:, None]
+    if SPLITS == 1:
+        o_ptrs = o_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
+        tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=g_mask[:, None])
+    else:
+        # Partial results for the merge: fp32 output and log-sum-exp (-inf for an empty split).
+        lse = tl.where(l_sum > 0.0, m + tl.log(safe_l), float("-inf"))
+        part = (b * H + heads) * SPLITS + sp
+        tl.store(po_ptr + part[:, None] * D + d[None, :], out, mask=g_mask[:, None])
+        tl.store(plse_ptr + part, lse, mask=g_mask)
+
+
+@triton.jit
+def _merge_kernel(po_ptr, plse_ptr, o_ptr, H, stride_ob, stride_oh, D: tl.constexpr, SPLITS: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, SPLITS)
+    d = tl.arange(0, D)
+    base = (b * H + h) * SPLITS
+    lse = tl.load(plse_ptr + base + s)
+    m = tl.max(lse, axis=0)
+    w = tl.where(lse > float("-inf"), tl.exp(lse - m), 0.0)
+    parts = tl.load(po_ptr + (base + s)[:, None] * D + d[None, :])
+    out = tl.sum(parts * w[:, None], axis=0) / tl.maximum(tl.sum(w, axis=0), 1e-30)
+    tl.store(o_ptr + b * stride_ob + h * stride_oh + d, out.to(o_ptr.dtype.element_ty))
+
+
+def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, dim: int) -> None:
+    if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError(
+            f"k_cache {tuple(k_cache.shape)}{k_cache.stride()} and v_cache {tuple(v_cache.shape)}"
+            f"{v_cache.stride()} must share one layout with contiguous head_dim"
+        )
+    if k_cache.shape[-1] != dim or dim != triton.next_power_of_2(dim):
+        raise ValueError(
+            f"head_dim must be a power of two matching the cache, got q {dim}, cache {k_cache.shape[-1]}"
+        )
+
+
+def _decode_splits(batch: int, kv_heads: int, max_len: int) -> int:
+    """Enough programs to fill the GPU twice, but at least ~256 positions per split."""
+    want = triton.cdiv(2 * _SMS, max(batch * kv_heads, 1))
+    cap = max(triton.cdiv(max_len, 256), 1)
+    return triton.next_power_of_2(max(min(want, cap), 1))
+
+
+def paged_decode_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    _check_cache(k_cache, v_cache, q.shape[-1])
+    page_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    splits = _decode_splits(q.shape[0], kv_heads, page_table.shape[1] * page_size)
+    return decode_attention_with_splits(q, k_cache, v_cache, page_table, seq_lens, scale, splits)
+
+
+def decode_attention_with_splits(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    splits: int,
+) -> torch.Tensor:
+    """The decode attention with the KV range cut into ``splits`` (a power of two) parts."""
+    batch, heads, dim = q.shape
+    page_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = heads // kv_heads
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    out = torch.empty_like(q)
+    if batch == 0:
+        return out
+    block_n = 32
+    max_len = page_table.shape[1] * page_size
+    split_size = triton.cdiv(triton.cdiv(max_len, splits), block_n) * block_n
+    if splits > 1:
+        part_o = torch.empty((batch, heads, splits, dim), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((batch, heads, splits), dtype=torch.float32, device=q.device)
+    else:
+        part_o, part_lse = out, out
+    _decode_kernel[(batch, kv_heads, splits)](
+        q,
+        k_cache,
+        v_cache,
+        page_table,
+        seq_lens,
+        out,
+        part_o,
+        part_lse,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        page_table.stride(0),
+        out.stride(0),
+        out.stride(1),
+        heads,
+        split_size,
+        scale,
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        D=dim,
+        PAGE=page_size,
+        BLOCK_N=block_n,
+        SPLITS=splits,
+        DOT_F32=_DOT_F32,
+        num_warps=4,
+        num_stages=2,
+    )
+    if splits > 1:
+        _merge_kernel[(batch, heads)](
+            part_o, part_lse, out, heads, out.stride(0), out.stride(1), D=dim, SPLITS=splits, num_warps=4
+        )
+    return out
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    kc_ptr,
+    vc_ptr,
+    pt_ptr,
+    cu_ptr,
+    starts_ptr,
+    o_ptr,
+    stride_qt,
+    stride_qh,
+    stride_page,
+    stride_tok,
+    stride_kvh,
+    stride_ptb,
+    stride_ot,
+    stride_oh,
+    scale,
+    GROUP: tl.constexpr,
+    D: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    mb = tl.program_id(0)
+    i = tl.program_id(1)
+    h = tl.program_id(2)
+    kvh = h // GROUP
+    bos = tl.load(cu_ptr + i)
+    length = tl.load(cu_ptr + i + 1) - bos
+    if mb * BLOCK_M >= length:
+        return
+    start = tl.load(starts_ptr + i)
+    rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < length
+    d = tl.arange(0, D)
+    q = tl.load(
+        q_ptr + (bos + rows)[:, None] * stride_qt + h * stride_qh + d[None, :],
+        mask=row_mask[:, None],
+        other=0.0,
+    )
+    if DOT_F32:
+        q = q.to(tl.float32)
+    q_pos = start + rows
+    kv_end = start + tl.minimum(length, (mb + 1) * BLOCK_M)
+    m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_sum = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, D), tl.float32)
+    pt_row = pt_ptr + i * stride_ptb
+    kc = kc_ptr + kvh * stride_kvh
+    vc = vc_ptr + kvh * stride_kvh
+    for n0 in range(0, kv_end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        pos_mask = pos < kv_end
+        k = _load_kv_block(kc, pt_row, pos, pos_mask, stride_page, stride_tok, d, PAGE=PAGE)
+        v = _load_kv_block(vc, pt_row, pos, pos_mask, stride_page, stride_tok, d, PAGE=PAGE)
+        if DOT_F32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k)) * scale
+        s = tl.where(pos_mask[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_sum = l_sum * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    out = acc / tl.where(l_sum > 0.0, l_sum, 1.0)[:, None]
+    o_ptrs = o_ptr + (bos + rows)[:, None] * stride_ot + h * stride_oh + d[None, :]
+    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=row_mask[:, None])
+
+
+def paged_prefill_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_tables: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    starts: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    tokens, heads, dim = q.shape
+    _check_cache(k_cache, v_cache, dim)
+    page_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    out = torch.empty_like(q)
+    n_chunks = cu_seqlens.shape[0] - 1
+    if tokens == 0 or n_chunks == 0:
+        return out
+    # Prefill is never graph-captured, so the longest chunk may be read on the host.
+    longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    block_m, block_n = 64, 32
+    device = q.device
+    page_tables = page_tables.to(device)
+    _prefill_kernel[(triton.cdiv(longest, block_m), n_chunks, heads)](
+        q,
+        k_cache,
+        v_cache,
+        page_tables,
+        cu_seqlens.to(device=device, dtype=torch.int32),
+        starts.to(device=device, dtype=torch.int32),
+        out,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        page_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        scale,
+        GROUP=heads // kv_heads,
+        D=dim,
+        PAGE=page_size,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        DOT_F32=_DOT_F32,
+        num_warps=8,
+        num_stages=2,
+    )
+    return out

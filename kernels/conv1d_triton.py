@@ -1,0 +1,234 @@
+"""Triton depthwise causal conv1d (+ SiLU) over the GDN qkv channels, decode and prefill.
+
+Same signatures and semantics as ``kernels/conv1d.py``. The conv state holds the last K-1 raw
+(pre-conv) inputs per channel, oldest first: ``conv_state[slot, c, j]``."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def conv_decode_channels(x_row_ptr, w_ptr, state_row_ptr, ch, mask, K: tl.constexpr):
+    """One decode step for the channels ``ch``: returns silu(conv) in fp32, shifts the state.
+
+    Shared with the fused GDN decode step, which calls it per head."""
+    x = tl.load(x_row_ptr + ch, mask=mask, other=0.0)
+    acc = tl.load(w_ptr + ch * K + (K - 1), mask=mask, other=0.0).to(tl.float32) * x.to(tl.float32)
+    prev = tl.load(state_row_ptr + ch * (K - 1), mask=mask, other=0.0)
+    for j in tl.static_range(K - 1):
+        acc += tl.load(w_ptr + ch * K + j, mask=mask, other=0.0).to(tl.float32) * prev.to(tl.float32)
+        # Shift left: column j takes column j + 1 (the newest input lands in the last column).
+        if j < K - 2:
+            nxt = tl.load(state_row_ptr + ch * (K - 1) + j + 1, mask=mask, other=0.0)
+            tl.store(state_row_ptr + ch * (K - 1) + j, nxt, mask=mask)
+            prev = nxt
+        else:
+            tl.store(state_row_ptr + ch * (K - 1) + j, x.to(state_row_ptr.dtype.element_ty), mask=mask)
+    return acc * tl.sigmoid(acc)
+
+
+@triton.jit
+def _conv_decode_kernel(
+    x_ptr,
+    w_ptr,
+    state_ptr,
+    slots_ptr,
+    y_ptr,
+    C,
+    stride_x,
+    stride_y,
+    stride_slot,
+    K: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    b = tl.program_id(0)
+    ch = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = ch < C
+    slot = tl.load(slots_ptr + b)
+    y = conv_decode_channels(x_ptr + b * stride_x, w_ptr, state_ptr + slot * stride_slot, ch, mask, K=K)
+    tl.store(y_ptr + b * stride_y + ch, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _check_state(conv_state: torch.Tensor, channels: int, kernel: int) -> None:
+    if not conv_state.is_contiguous() or conv_state.shape[1:] != (channels, kernel - 1):
+        raise ValueError(
+            f"conv_state must be contiguous [slots, {channels}, {kernel - 1}], "
+            f"got shape {tuple(conv_state.shape)} strides {conv_state.stride()}"
+        )
+
+
+def causal_conv1d_decode_triton(
+    x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, state_slots: torch.Tensor
+) -> torch.Tensor:
+    batch, channels = x.shape
+    kernel = weight.shape[1]
+    _check_state(conv_state, channels, kernel)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    weight = weight.contiguous()
+    y = torch.empty((batch, channels), dtype=x.dtype, device=x.device)
+    if batch == 0:
+        return y
+    block = 1024
+    _conv_decode_kernel[(batch, triton.cdiv(channels, block))](
+        x,
+        weight,
+        conv_state,
+        state_slots,
+        y,
+        channels,
+        x.stride(0),
+        y.stride(0),
+        conv_state.stride(0),
+        K=kernel,
+        BLOCK_C=block,
+        num_warps=4,
+    )
+    return y
+
+
+@triton.jit
+def _conv_prefill_kernel(
+    x_ptr,
+    w_ptr,
+    state_ptr,
+    slots_ptr,
+    cu_ptr,
+    init_ptr,
+    chunk_of_ptr,
+    y_ptr,
+    T,
+    C,
+    stride_x,
+    stride_y,
+    stride_slot,
+    K: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    ch = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    t_mask = t < T
+    c_mask = ch < C
+    chunk = tl.load(chunk_of_ptr + t, mask=t_mask, other=0)
+    bos = tl.load(cu_ptr + chunk, mask=t_mask, other=0)
+    slot = tl.load(slots_ptr + chunk, mask=t_mask, other=0)
+    has_init = tl.load(init_ptr + chunk, mask=t_mask, other=0) != 0
+    acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+    for j in tl.static_range(K):
+        local = t - bos - (K - 1) + j  # the tap's position inside the chunk
+        w = tl.load(w_ptr + ch * K + j, mask=c_mask, other=0.0).to(tl.float32)
+        in_chunk = (local >= 0)[:, None] & t_mask[:, None] & c_mask[None, :]
+        xv = tl.load(x_ptr + (t - (K - 1) + j)[:, None] * stride_x + ch[None, :], mask=in_chunk, other=0.0)
+        from_state = ((local < 0) & has_init & t_mask)[:, None] & c_mask[None, :]
+        col = (K - 1) + local
+        sv = tl.load(
+            state_ptr + slot[:, None] * stride_slot + ch[None, :] * (K - 1) + col[:, None],
+            mask=from_state,
+            other=0.0,
+        )
+        acc += w[None, :] * (xv.to(tl.float32) + sv.to(tl.float32))
+    y = acc * tl.sigmoid(acc)
+    tl.store(
+        y_ptr + t[:, None] * stride_y + ch[None, :],
+        y.to(y_ptr.dtype.element_ty),
+        mask=t_mask[:, None] & c_mask[None, :],
+    )
+
+
+@triton.jit
+def _conv_prefill_state_kernel(
+    x_ptr,
+    state_ptr,
+    slots_ptr,
+    cu_ptr,
+    init_ptr,
+    C,
+    stride_x,
+    stride_slot,
+    K: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """Writes each chunk's last K-1 raw inputs; for chunks shorter than K-1 the older columns come
+    from the previous state (or zeros without one)."""
+    i = tl.program_id(0)
+    ch = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_mask = ch < C
+    bos = tl.load(cu_ptr + i)
+    length = tl.load(cu_ptr + i + 1) - bos
+    slot = tl.load(slots_ptr + i)
+    # Scalars broadcast to the channel vector: masks must be vectors for the interpreter.
+    zero = tl.zeros((BLOCK_C,), dtype=tl.int32)
+    has_init = (zero + tl.load(init_ptr + i)) != 0
+    row = state_ptr + slot * stride_slot + ch * (K - 1)
+    # New column j reads old column j + length > j, so ascending order never reads a column it
+    # already overwrote.
+    for j in tl.static_range(K - 1):
+        local = zero + (length - (K - 1) + j)
+        xv = tl.load(x_ptr + (bos + local) * stride_x + ch, mask=c_mask & (local >= 0), other=0.0)
+        sv = tl.load(row + (K - 1) + local, mask=c_mask & (local < 0) & has_init, other=0.0)
+        tl.store(row + j, xv.to(state_ptr.dtype.element_ty) + sv, mask=c_mask)
+
+
+def causal_conv1d_prefill_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    state_slots: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    has_initial_state: torch.Tensor,
+) -> torch.Tensor:
+    tokens, channels = x.shape
+    kernel = weight.shape[1]
+    _check_state(conv_state, channels, kernel)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    weight = weight.contiguous()
+    device = x.device
+    cu = cu_seqlens.to(device=device, dtype=torch.int32)
+    init = has_initial_state.to(device=device, dtype=torch.int32)
+    slots = state_slots.to(device=device)
+    n_chunks = cu.shape[0] - 1
+    y = torch.empty((tokens, channels), dtype=x.dtype, device=device)
+    if tokens == 0 or n_chunks == 0:
+        return y
+    chunk_of = torch.searchsorted(cu[1:], torch.arange(tokens, device=device, dtype=torch.int32), right=True)
+    chunk_of = chunk_of.to(torch.int32)
+    block_t, block_c = 16, 256
+    grid = (triton.cdiv(tokens, block_t), triton.cdiv(channels, block_c))
+    _conv_prefill_kernel[grid](
+        x,
+        weight,
+        conv_state,
+        slots,
+        cu,
+        init,
+        chunk_of,
+        y,
+        tokens,
+        channels,
+        x.stride(0),
+        y.stride(0),
+        conv_state.stride(0),
+        K=kernel,
+        BLOCK_T=block_t,
+        BLOCK_C=block_c,
+        num_warps=4,
+    )
+    _conv_prefill_state_kernel[(n_chunks, triton.cdiv(channels, 1024))](
+        x,
+        conv_state,
+        slots,
+        cu,
+        init,
+        channels,
+        x.stride(0),
+        conv_state.stride(0),
+        K=kernel,
+        BLOCK_C=1024,
+        num_warps=4,
+    )
+    return y

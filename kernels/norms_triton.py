@@ -1,0 +1,142 @@
+"""Triton RMSNorm kernels: Qwen's (1 + w) RMSNorm with the residual add fused, and the gated
+RMSNorm of the Gated DeltaNet output. Same signatures and semantics as ``kernels/norms.py``."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    y_ptr,
+    h_ptr,
+    H,
+    stride_x,
+    stride_r,
+    stride_y,
+    stride_h,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < H
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        # Round the sum to the model dtype first: the residual stream is stored in that dtype.
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        tl.store(h_ptr + row * stride_h + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(xf * xf, axis=0) / H + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    y = xf * inv * (1.0 + w)
+    tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def rms_norm_triton(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    n, hidden = x.shape
+    x = _rows(x)
+    y = torch.empty_like(x)
+    if residual is None:
+        h, res = x, x
+    else:
+        res = _rows(residual)
+        h = torch.empty_like(x)
+    if n == 0:
+        return y, h
+    block = triton.next_power_of_2(hidden)
+    _rms_norm_kernel[(n,)](
+        x,
+        res,
+        weight,
+        y,
+        h,
+        hidden,
+        x.stride(0),
+        res.stride(0),
+        y.stride(0),
+        h.stride(0),
+        eps,
+        HAS_RESIDUAL=residual is not None,
+        BLOCK=block,
+        num_warps=min(max(block // 256, 1), 8),
+    )
+    return y, h
+
+
+@triton.jit
+def _gated_rms_norm_kernel(
+    x_ptr,
+    z_ptr,
+    w_ptr,
+    y_ptr,
+    n_rows,
+    HEADS,
+    D,
+    stride_xn,
+    stride_xh,
+    stride_zn,
+    stride_zh,
+    eps,
+    ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    n, h = rows // HEADS, rows % HEADS
+    cols = tl.arange(0, BLOCK_D)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < D)
+    x = tl.load(x_ptr + (n * stride_xn + h * stride_xh)[:, None] + cols[None, :], mask=mask, other=0.0)
+    z = tl.load(z_ptr + (n * stride_zn + h * stride_zh)[:, None] + cols[None, :], mask=mask, other=0.0)
+    w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+    xf = x.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)
+    # The normalised x is rounded to the input dtype before the gate, as the reference does.
+    normed = (xf * inv[:, None]).to(x.dtype).to(tl.float32)
+    zf = z.to(tl.float32)
+    y = w[None, :] * normed * (zf * tl.sigmoid(zf))
+    tl.store(y_ptr + rows[:, None] * D + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def gated_rms_norm_triton(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    n, heads, dv = x.shape
+    # Row and head strides are passed through: z is usually a column slice of a fused projection.
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if z.stride(-1) != 1:
+        z = z.contiguous()
+    y = torch.empty((n, heads, dv), dtype=x.dtype, device=x.device)
+    n_rows = n * heads
+    if n_rows == 0:
+        return y
+    rows = 16
+    _gated_rms_norm_kernel[(triton.cdiv(n_rows, rows),)](
+        x,
+        z,
+        weight,
+        y,
+        n_rows,
+        heads,
+        dv,
+        x.stride(0),
+        x.stride(1),
+        z.stride(0),
+        z.stride(1),
+        eps,
+        ROWS=rows,
+        BLOCK_D=triton.next_power_of_2(dv),
+        num_warps=4,
+    )
+    return y

@@ -1,0 +1,225 @@
+"""Every Triton kernel at the 4B geometry's real shapes against its torch reference, on the GPU.
+
+bf16 outputs: relative error (‖out − ref‖ / ‖ref‖) ≤ 1e-2; fp32 recurrent state ≤ 1e-3.
+The references run on the same GPU tensors (they are plain torch)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.cuda
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+DEV = torch.device("cuda")
+BF16 = torch.bfloat16
+OUT_TOL = 1e-2
+STATE_TOL = 1e-3
+# 4B, TP 1
+HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM = 2560, 9216, 16, 4, 256
+HK, HV, DK, DV, CONV_K = 16, 32, 128, 128, 4
+CONV_DIM = 2 * HK * DK + HV * DV
+PAGE = 64
+
+
+def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    assert torch.isfinite(out).all(), "non-finite output"
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def rand(*shape: int, dtype: torch.dtype = BF16, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, device=DEV) * scale).to(dtype)
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)
+
+
+def test_rms_norm() -> None:
+    from kernels.norms import rms_norm_ref
+    from kernels.norms_triton import rms_norm_triton
+
+    x, r, w = rand(64, HIDDEN), rand(64, HIDDEN), rand(HIDDEN, scale=0.1)
+    y, h = rms_norm_triton(x, w, 1e-6, r)
+    y_ref, h_ref = rms_norm_ref(x, w, 1e-6, r)
+    assert rel(y, y_ref) <= OUT_TOL and rel(h, h_ref) <= OUT_TOL
+    q = rand(64 * HEADS, HEAD_DIM)
+    assert rel(rms_norm_triton(q, w[:HEAD_DIM], 1e-6)[0], rms_norm_ref(q, w[:HEAD_DIM], 1e-6)[0]) <= OUT_TOL
+
+
+def test_gated_rms_norm_with_strided_gate() -> None:
+    from kernels.norms import gated_rms_norm_ref
+    from kernels.norms_triton import gated_rms_norm_triton
+
+    x = rand(64, HV, DV)
+    z = rand(64, HV * DV + 64)[:, : HV * DV].reshape(64, HV, DV)  # a column slice, as the model passes it
+    w = torch.rand(DV, device=DEV) + 0.5
+    assert rel(gated_rms_norm_triton(x, z, w, 1e-6), gated_rms_norm_ref(x, z, w, 1e-6)) <= OUT_TOL
+
+
+def test_silu_and_mul() -> None:
+    from kernels.activation import silu_and_mul_ref
+    from kernels.activation_triton import silu_and_mul_triton
+
+    x = rand(64, 2 * INTER)
+    assert rel(silu_and_mul_triton(x), silu_and_mul_ref(x)) <= OUT_TOL
+
+
+def test_apply_rope_and_write_kv() -> None:
+    from kernels.kv_cache import write_kv_ref
+    from kernels.kv_cache_triton import write_kv_triton
+    from kernels.rope import apply_rope_ref, rope_cache
+    from kernels.rope_triton import apply_rope_triton
+
+    cos_sin = rope_cache(32768, 64, 1e7, DEV)
+    x = rand(77, HEADS, HEAD_DIM)
+    pos = torch.randint(0, 32768, (77,), device=DEV)
+    assert rel(apply_rope_triton(x, pos, cos_sin), apply_rope_ref(x, pos, cos_sin)) <= OUT_TOL
+    k, v = rand(77, KV_HEADS, HEAD_DIM), rand(77, KV_HEADS, HEAD_DIM)
+    caches = [rand(40, PAGE, KV_HEADS, HEAD_DIM) for _ in range(2)]
+    refs = [c.clone() for c in caches]
+    slots = torch.randperm(40 * PAGE, device=DEV)[:77]
+    write_kv_triton(k, v, *caches, slots)
+    write_kv_ref(k, v, *refs, slots)
+    assert torch.equal(caches[0], refs[0]) and torch.equal(caches[1], refs[1])
+
+
+@pytest.mark.parametrize("batch", [1, 8, 64])
+def test_paged_decode_attention(batch: int) -> None:
+    from kernels.attention import paged_decode_attention_ref
+    from kernels.attention_triton import decode_attention_with_splits, paged_decode_attention_triton
+
+    pages_per_row = 40
+    k_cache, v_cache = (
+        rand(batch * pages_per_row + 1, PAGE, KV_HEADS, HEAD_DIM),
+        rand(batch * pages_per_row + 1, PAGE, KV_HEADS, HEAD_DIM),
+    )
+    table = torch.randperm(batch * pages_per_row + 1, device=DEV)[: batch * pages_per_row]
+    table = table.view(batch, pages_per_row).to(torch.int32)
+    lens = torch.randint(1, pages_per_row * PAGE + 1, (batch,), device=DEV, dtype=torch.int32)
+    q = rand(batch, HEADS, HEAD_DIM)
+    ref = paged_decode_attention_ref(q, k_cache, v_cache, table, lens, HEAD_DIM**-0.5)
+    assert (
+        rel(paged_decode_attention_triton(q, k_cache, v_cache, table, lens, HEAD_DIM**-0.5), ref) <= OUT_TOL
+    )
+    for splits in (1, 8):
+        got = decode_attention_with_splits(q, k_cache, v_cache, table, lens, HEAD_DIM**-0.5, splits)
+        assert rel(got, ref) <= OUT_TOL
+
+
+def test_paged_prefill_attention() -> None:
+    from kernels.attention import paged_prefill_attention_ref
+    from kernels.attention_triton import paged_prefill_attention_triton
+
+    k_cache, v_cache = rand(64, PAGE, KV_HEADS, HEAD_DIM), rand(64, PAGE, KV_HEADS, HEAD_DIM)
+    tables = torch.randperm(64, device=DEV)[:60].view(3, 20).to(torch.int32)
+    lens, starts = [300, 1, 130], [0, 700, 1000]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+    q = rand(sum(lens), HEADS, HEAD_DIM)
+    args = (
+        q,
+        k_cache,
+        v_cache,
+        tables,
+        cu,
+        torch.tensor(starts, dtype=torch.int32, device=DEV),
+        HEAD_DIM**-0.5,
+    )
+    assert rel(paged_prefill_attention_triton(*args), paged_prefill_attention_ref(*args)) <= OUT_TOL
+
+
+def test_conv1d_decode_and_prefill() -> None:
+    from kernels.conv1d import causal_conv1d_decode_ref, causal_conv1d_prefill_ref
+    from kernels.conv1d_triton import causal_conv1d_decode_triton, causal_conv1d_prefill_triton
+
+    w = rand(CONV_DIM, CONV_K, scale=0.3)
+    state = rand(70, CONV_DIM, CONV_K - 1)
+    state_ref = state.clone()
+    slots = torch.randperm(70, device=DEV)[:64]
+    x = rand(64, CONV_DIM)
+    y = causal_conv1d_decode_triton(x, w, state, slots)
+    assert rel(y, causal_conv1d_decode_ref(x, w, state_ref, slots)) <= OUT_TOL
+    assert torch.equal(state, state_ref)
+    cu = torch.tensor([0, 500, 502, 503, 700], dtype=torch.int32, device=DEV)
+    init = torch.tensor([False, True, True, True], device=DEV)
+    x = rand(700, CONV_DIM)
+    y = causal_conv1d_prefill_triton(x, w, state, slots[:4], cu, init)
+    assert rel(y, causal_conv1d_prefill_ref(x, w, state_ref, slots[:4], cu, init)) <= OUT_TOL
+    assert torch.equal(state, state_ref)
+
+
+def gdn_inputs(tokens: int) -> tuple[torch.Tensor, ...]:
+    from kernels.gdn import gdn_gating_ref
+
+    q, k, v = rand(tokens, HK, DK), rand(tokens, HK, DK), rand(tokens, HV, DV)
+    g, beta = gdn_gating_ref(rand(tokens, HV), rand(tokens, HV), torch.rand(HV, device=DEV).log(), rand(HV))
+    return q, k, v, g, beta
+
+
+def test_gdn_gating() -> None:
+    from kernels.gdn import gdn_gating_ref
+    from kernels.gdn_triton import gdn_gating_triton
+
+    a, b = rand(64, HV, scale=5.0), rand(64, HV)
+    a_log, dt = torch.rand(HV, device=DEV).log(), rand(HV)
+    for got, ref in zip(gdn_gating_triton(a, b, a_log, dt), gdn_gating_ref(a, b, a_log, dt), strict=True):
+        assert rel(got, ref) <= 1e-5
+
+
+def test_gated_delta_rule_decode() -> None:
+    from kernels.gdn import gated_delta_rule_decode_ref
+    from kernels.gdn_triton import gated_delta_rule_decode_triton
+
+    q, k, v, g, beta = gdn_inputs(64)
+    state = torch.randn(70, HV, DK, DV, device=DEV) * 0.1
+    state_ref = state.clone()
+    slots = torch.randperm(70, device=DEV)[:64]
+    o = gated_delta_rule_decode_triton(q, k, v, g, beta, state, slots)
+    assert rel(o, gated_delta_rule_decode_ref(q, k, v, g, beta, state_ref, slots)) <= OUT_TOL
+    assert rel(state, state_ref) <= STATE_TOL
+
+
+@pytest.mark.parametrize("path", ["chunked", "recurrent"])
+def test_gated_delta_rule_prefill(path: str) -> None:
+    from kernels import gdn_triton
+    from kernels.gdn import gated_delta_rule_prefill_ref
+
+    fn = (
+        gdn_triton.gated_delta_rule_prefill_triton
+        if path == "chunked"
+        else gdn_triton.gated_delta_rule_prefill_recurrent_triton
+    )
+    if path == "chunked" and gdn_triton._fla_chunk_kernel() is None:
+        pytest.skip("fla-core is not installed")
+    lens = [300, 1, 64, 100]
+    q, k, v, g, beta = gdn_inputs(sum(lens))
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+    init = torch.tensor([False, True, True, False], device=DEV)
+    state = torch.randn(8, HV, DK, DV, device=DEV) * 0.1
+    state_ref = state.clone()
+    slots = torch.tensor([5, 0, 7, 2], device=DEV)
+    o = fn(q, k, v, g, beta, state, slots, cu, init)
+    o_ref = gated_delta_rule_prefill_ref(q, k, v, g, beta, state_ref, slots, cu, init)
+    assert rel(o, o_ref) <= OUT_TOL
+    assert rel(state, state_ref) <= STATE_TOL
+
+
+def test_gdn_decode_step_fused() -> None:
+    from kernels.gdn_step import gdn_decode_step_ref
+    from kernels.gdn_step_triton import gdn_decode_step_triton
+
+    mixed = rand(64, CONV_DIM + HV * DV + 2 * HV)[:, :CONV_DIM]  # a slice of the fused projection
+    cw = rand(CONV_DIM, CONV_K, scale=0.3)
+    z, a, b = rand(64, HV, DV), rand(64, HV), rand(64, HV)
+    a_log, dt, nw = torch.rand(HV, device=DEV).log(), rand(HV), torch.rand(DV, device=DEV) + 0.5
+    conv_state, state = rand(70, CONV_DIM, CONV_K - 1), torch.randn(70, HV, DK, DV, device=DEV) * 0.1
+    conv_ref, state_ref = conv_state.clone(), state.clone()
+    slots = torch.randperm(70, device=DEV)[:64]
+    y = gdn_decode_step_triton(mixed, cw, conv_state, z, a, b, a_log, dt, nw, 1e-6, state, slots)
+    y_ref = gdn_decode_step_ref(mixed, cw, conv_ref, z, a, b, a_log, dt, nw, 1e-6, state_ref, slots)
+    assert rel(y, y_ref) <= OUT_TOL
+    assert torch.equal(conv_state, conv_ref)
+    assert rel(state, state_ref) <= STATE_TOL

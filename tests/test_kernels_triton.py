@@ -1,0 +1,281 @@
+"""Every Triton kernel against its torch reference, on CPU under ``TRITON_INTERPRET=1``.
+
+The interpreter must be switched on before Triton compiles anything, and must not leak into
+other tests (a CUDA test in the same session would silently run interpreted). So the checks run
+in one child process (this file run as a script), which prints one JSON line per check; each
+pytest case asserts one of them. Small shapes, odd sizes, GQA / GVA ratios > 1, several slots.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+BF16 = torch.bfloat16
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    if not torch.isfinite(out).all():
+        return float("inf")
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-12))
+
+
+def _rand(*shape: int, dtype: torch.dtype = BF16, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape) * scale).to(dtype)
+
+
+def check_rms_norm() -> dict[str, float]:
+    from kernels.norms import rms_norm_ref
+    from kernels.norms_triton import rms_norm_triton
+
+    x, r, w = _rand(5, 48), _rand(5, 48), _rand(48, scale=0.3)
+    y, h = rms_norm_triton(x, w, 1e-6)
+    y_ref, _ = rms_norm_ref(x, w, 1e-6)
+    yr, hr = rms_norm_triton(x, w, 1e-6, r)
+    yr_ref, hr_ref = rms_norm_ref(x, w, 1e-6, r)
+    return {
+        "y": _rel(y, y_ref),
+        "h_is_x": float(h.data_ptr() != x.data_ptr()),
+        "y_res": _rel(yr, yr_ref),
+        "h_res": _rel(hr, hr_ref),
+    }
+
+
+def check_gated_rms_norm() -> dict[str, float]:
+    from kernels.norms import gated_rms_norm_ref
+    from kernels.norms_triton import gated_rms_norm_triton
+
+    x, z, w = _rand(3, 5, 16), _rand(3, 5, 16), torch.rand(16) + 0.5
+    return {"y": _rel(gated_rms_norm_triton(x, z, w, 1e-6), gated_rms_norm_ref(x, z, w, 1e-6))}
+
+
+def check_silu_and_mul() -> dict[str, float]:
+    from kernels.activation import silu_and_mul_ref
+    from kernels.activation_triton import silu_and_mul_triton
+
+    x = _rand(4, 80)
+    return {"y": _rel(silu_and_mul_triton(x), silu_and_mul_ref(x))}
+
+
+def check_apply_rope() -> dict[str, float]:
+    from kernels.rope import apply_rope_ref, rope_cache
+    from kernels.rope_triton import apply_rope_triton
+
+    cos_sin = rope_cache(64, 8, 1e4, torch.device("cpu"))
+    x = _rand(5, 3, 32)
+    pos = torch.tensor([0, 7, 3, 63, 12])
+    return {"y": _rel(apply_rope_triton(x, pos, cos_sin), apply_rope_ref(x, pos, cos_sin))}
+
+
+def check_write_kv() -> dict[str, float]:
+    from kernels.kv_cache import write_kv_ref
+    from kernels.kv_cache_triton import write_kv_triton
+
+    k, v = _rand(5, 2, 16), _rand(5, 2, 16)
+    slots = torch.tensor([3, 17, 0, 9, 22])
+    caches = [_rand(6, 4, 2, 16) for _ in range(2)]
+    ref = [c.clone() for c in caches]
+    write_kv_triton(k, v, caches[0], caches[1], slots)
+    write_kv_ref(k, v, ref[0], ref[1], slots)
+    return {"k": _rel(caches[0], ref[0]), "v": _rel(caches[1], ref[1])}
+
+
+def _paged_kv(pages: int, page_size: int, kv_heads: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return _rand(pages, page_size, kv_heads, dim), _rand(pages, page_size, kv_heads, dim)
+
+
+def check_paged_decode_attention() -> dict[str, float]:
+    from kernels.attention import paged_decode_attention_ref
+    from kernels.attention_triton import decode_attention_with_splits, paged_decode_attention_triton
+
+    k_cache, v_cache = _paged_kv(24, 4, 2, 32)
+    page_table = torch.randperm(24)[:18].view(3, 6).to(torch.int32)
+    seq_lens = torch.tensor([1, 13, 24], dtype=torch.int32)
+    q = _rand(3, 8, 32)
+    ref = paged_decode_attention_ref(q, k_cache, v_cache, page_table, seq_lens, 32**-0.5)
+    out = {
+        "auto": _rel(paged_decode_attention_triton(q, k_cache, v_cache, page_table, seq_lens, 32**-0.5), ref)
+    }
+    for splits in (2, 4):
+        got = decode_attention_with_splits(q, k_cache, v_cache, page_table, seq_lens, 32**-0.5, splits)
+        out[f"splits{splits}"] = _rel(got, ref)
+    return out
+
+
+def check_paged_prefill_attention() -> dict[str, float]:
+    from kernels.attention import paged_prefill_attention_ref
+    from kernels.attention_triton import paged_prefill_attention_triton
+
+    k_cache, v_cache = _paged_kv(40, 4, 2, 32)
+    page_tables = torch.randperm(40)[:36].view(2, 18).to(torch.int32)
+    cu = torch.tensor([0, 70, 73], dtype=torch.int32)  # 70 tokens: two query blocks of 64
+    starts = torch.tensor([0, 5], dtype=torch.int32)
+    q = _rand(73, 4, 32)
+    args = (q, k_cache, v_cache, page_tables, cu, starts, 32**-0.5)
+    return {"y": _rel(paged_prefill_attention_triton(*args), paged_prefill_attention_ref(*args))}
+
+
+def check_conv1d_decode() -> dict[str, float]:
+    from kernels.conv1d import causal_conv1d_decode_ref
+    from kernels.conv1d_triton import causal_conv1d_decode_triton
+
+    x, w = _rand(3, 24), _rand(24, 4, scale=0.5)
+    state = _rand(5, 24, 3)
+    state_ref = state.clone()
+    slots = torch.tensor([2, 0, 4])
+    y = causal_conv1d_decode_triton(x, w, state, slots)
+    y_ref = causal_conv1d_decode_ref(x, w, state_ref, slots)
+    return {"y": _rel(y, y_ref), "state": _rel(state, state_ref)}
+
+
+def check_conv1d_prefill() -> dict[str, float]:
+    from kernels.conv1d import causal_conv1d_prefill_ref
+    from kernels.conv1d_triton import causal_conv1d_prefill_triton
+
+    x, w = _rand(20, 24), _rand(24, 4, scale=0.5)
+    state = _rand(5, 24, 3)
+    state_ref = state.clone()
+    slots = torch.tensor([3, 1, 0, 4])
+    cu = torch.tensor([0, 5, 7, 8, 20], dtype=torch.int32)  # lengths 5, 2, 1, 12: short handoffs
+    init = torch.tensor([False, True, True, False])
+    y = causal_conv1d_prefill_triton(x, w, state, slots, cu, init)
+    y_ref = causal_conv1d_prefill_ref(x, w, state_ref, slots, cu, init)
+    return {"y": _rel(y, y_ref), "state": _rel(state, state_ref)}
+
+
+def check_gdn_gating() -> dict[str, float]:
+    from kernels.gdn import gdn_gating_ref
+    from kernels.gdn_triton import gdn_gating_triton
+
+    a, b = _rand(5, 4, scale=8.0), _rand(5, 4)
+    a[0, 0] = 30.0  # softplus threshold branch
+    a_log, dt = torch.rand(4).log(), _rand(4)
+    g, beta = gdn_gating_triton(a, b, a_log, dt)
+    g_ref, beta_ref = gdn_gating_ref(a, b, a_log, dt)
+    return {"g": _rel(g, g_ref), "beta": _rel(beta, beta_ref)}
+
+
+def _gdn_inputs(tokens: int) -> tuple[torch.Tensor, ...]:
+    q, k, v = _rand(tokens, 2, 16), _rand(tokens, 2, 16), _rand(tokens, 4, 16)
+    g = -torch.rand(tokens, 4) * 0.5
+    beta = torch.rand(tokens, 4)
+    return q, k, v, g, beta
+
+
+def check_delta_rule_decode() -> dict[str, float]:
+    from kernels.gdn import gated_delta_rule_decode_ref
+    from kernels.gdn_triton import gated_delta_rule_decode_triton
+
+    q, k, v, g, beta = _gdn_inputs(3)
+    state = torch.randn(5, 4, 16, 16) * 0.1
+    state_ref = state.clone()
+    slots = torch.tensor([4, 0, 2])
+    o = gated_delta_rule_decode_triton(q, k, v, g, beta, state, slots)
+    o_ref = gated_delta_rule_decode_ref(q, k, v, g, beta, state_ref, slots)
+    return {"o": _rel(o, o_ref), "state": _rel(state, state_ref)}
+
+
+def check_delta_rule_prefill() -> dict[str, float]:
+    from kernels.gdn import gated_delta_rule_prefill_ref
+    from kernels.gdn_triton import gated_delta_rule_prefill_triton
+
+    q, k, v, g, beta = _gdn_inputs(9)
+    state = torch.randn(5, 4, 16, 16) * 0.1
+    state_ref = state.clone()
+    slots = torch.tensor([1, 3, 0])
+    cu = torch.tensor([0, 4, 5, 9], dtype=torch.int32)
+    init = torch.tensor([True, False, True])
+    args = (slots, cu, init)
+    o = gated_delta_rule_prefill_triton(q, k, v, g, beta, state, *args)
+    o_ref = gated_delta_rule_prefill_ref(q, k, v, g, beta, state_ref, *args)
+    return {"o": _rel(o, o_ref), "state": _rel(state, state_ref)}
+
+
+def check_gdn_decode_step() -> dict[str, float]:
+    from kernels.gdn_step import gdn_decode_step_ref
+    from kernels.gdn_step_triton import gdn_decode_step_triton
+
+    errors = {}
+    # The step rounds q, k, v and o to the model dtype between stages, as the unfused chain does;
+    # the interpreter's bf16 rounding differs from torch's, so the tight state check runs in fp32.
+    for dtype, tag in ((torch.float32, "fp32"), (BF16, "bf16")):
+        batch, conv_dim = 3, 2 * 2 * 16 + 4 * 16
+        mixed, cw = _rand(batch, conv_dim, dtype=dtype), _rand(conv_dim, 4, dtype=dtype, scale=0.5)
+        z, a, b = _rand(batch, 4, 16, dtype=dtype), _rand(batch, 4, dtype=dtype), _rand(batch, 4, dtype=dtype)
+        a_log, dt, nw = torch.rand(4).log(), _rand(4, dtype=dtype), torch.rand(16) + 0.5
+        conv_state, state = _rand(5, conv_dim, 3, dtype=dtype), torch.randn(5, 4, 16, 16) * 0.1
+        conv_ref, state_ref = conv_state.clone(), state.clone()
+        slots = torch.tensor([3, 0, 1])
+        y = gdn_decode_step_triton(mixed, cw, conv_state, z, a, b, a_log, dt, nw, 1e-6, state, slots)
+        y_ref = gdn_decode_step_ref(mixed, cw, conv_ref, z, a, b, a_log, dt, nw, 1e-6, state_ref, slots)
+        errors[f"y_{tag}"] = _rel(y, y_ref)
+        errors[f"conv_state_{tag}"] = _rel(conv_state, conv_ref)
+        errors["state" if tag == "fp32" else "state_after_bf16_stages"] = _rel(state, state_ref)
+    return errors
+
+
+CHECKS: dict[str, Callable[[], dict[str, float]]] = {
+    name.removeprefix("check_"): fn for name, fn in list(globals().items()) if name.startswith("check_")
+}
+# bf16 outputs: relative error within bf16 rounding; fp32 state much tighter.
+TOLERANCE = {"state": 1e-3, "g": 1e-5, "beta": 1e-5, "h_is_x": 0.5}
+DEFAULT_TOLERANCE = 1e-2
+
+
+def _run_checks() -> None:
+    torch.manual_seed(0)
+    for name, fn in CHECKS.items():
+        try:
+            result: dict[str, object] = {"name": name, "errors": fn()}
+        except Exception:
+            result = {"name": name, "exception": traceback.format_exc()}
+        print(json.dumps(result), flush=True)
+
+
+@pytest.fixture(scope="module")
+def interpreted_results() -> dict[str, dict[str, object]]:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, __file__], env=env, cwd=ROOT, capture_output=True, text=True, timeout=240
+    )
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            record = json.loads(line)
+            results[record["name"]] = record
+    if not results:
+        raise RuntimeError(
+            f"interpreter checks produced no results (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
+        )
+    return results
+
+
+@pytest.mark.parametrize("name", sorted(CHECKS))
+def test_triton_kernel_matches_reference(
+    name: str, interpreted_results: dict[str, dict[str, object]]
+) -> None:
+    record = interpreted_results.get(name)
+    assert record is not None, f"check {name} did not report"
+    assert "exception" not in record, record.get("exception")
+    errors = record["errors"]
+    assert isinstance(errors, dict)
+    for key, err in errors.items():
+        limit = TOLERANCE.get(key, DEFAULT_TOLERANCE)
+        assert err <= limit, f"{name}.{key}: relative error {err:.3g} > {limit}"
+
+
+if __name__ == "__main__":
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("run with TRITON_INTERPRET=1 (pytest does this)")
+    sys.path.insert(0, str(ROOT))
+    _run_checks()

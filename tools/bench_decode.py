@@ -1,0 +1,324 @@
+"""``phalanx bench decode``: decode step time and prefill time of a Qwen3.5 geometry on random weights.
+
+The model is built through its public constructor from random bf16 tensors made directly on the
+GPU, with the checkpoint's names and shapes (no download, no files). Each batch size decodes from
+a context of ``--context`` tokens; the step time is the median over ``--steps`` steps timed with
+CUDA events. The roofline figure is the weight bytes one step must read over the step time, as a
+fraction of the H200's measured 4.3 TB/s copy bandwidth. ``--vs-transformers`` times transformers'
+``Qwen3_5ForCausalLM`` with the same geometry and random weights in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+COPY_BANDWIDTH = 4.3e12  # bytes/s, device-to-device copy measured on the H200 (read + write)
+PAGE_SIZE = 64
+
+GEOMETRIES: dict[str, dict[str, object]] = {
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        vocab_size=512,
+        tie_word_embeddings=False,
+    ),
+    "0.8b": dict(
+        hidden_size=1024,
+        intermediate_size=3584,
+        num_hidden_layers=24,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=16,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        vocab_size=248320,
+        tie_word_embeddings=True,
+    ),
+    "4b": dict(
+        hidden_size=2560,
+        intermediate_size=9216,
+        num_hidden_layers=32,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        vocab_size=248320,
+        tie_word_embeddings=True,
+    ),
+    "9b": dict(
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=32,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        vocab_size=248320,
+        tie_word_embeddings=False,
+    ),
+}
+ROPE = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--geometry", choices=sorted(GEOMETRIES), default="4b")
+    parser.add_argument("--batch", default="1,8,32,64", help="comma-separated batch sizes")
+    parser.add_argument("--steps", type=int, default=20, help="timed decode steps per batch size")
+    parser.add_argument("--context", type=int, default=512, help="tokens already in each row's KV cache")
+    parser.add_argument("--prefill-len", type=int, default=4096, help="prompt length of the prefill figure")
+    parser.add_argument("--cuda-graph", action="store_true", help="replay each step from a CUDA graph")
+    parser.add_argument("--vs-transformers", action="store_true", help="time transformers in the same run")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def config_dict(geometry: str) -> dict[str, object]:
+    raw = dict(GEOMETRIES[geometry])
+    raw.update(
+        rms_norm_eps=1e-6,
+        max_position_embeddings=32768,
+        full_attention_interval=4,
+        linear_conv_kernel_dim=4,
+        rope_parameters=dict(ROPE),
+        eos_token_id=[0],
+    )
+    return raw
+
+
+def random_weights(config, device: torch.device, dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
+    """Every tensor of a TP = 1 checkpoint, random, with the checkpoint's names, shapes and dtypes."""
+    from models.qwen35.sharding import RankLayout, tensor_specs
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    layout = RankLayout.build(config, 0, 1)
+    weights = {}
+    for spec in tensor_specs(config, layout, include_lm_head=not config.tie_word_embeddings):
+        shape, name = spec.local_shape, spec.name
+        t_dtype = torch.float32 if spec.keep_fp32 else dtype
+        if name.endswith("A_log"):
+            t = torch.rand(shape, generator=gen, device=device).mul(15).add(1).log()
+        elif name.endswith("linear_attn.norm.weight"):
+            t = torch.rand(shape, generator=gen, device=device).add(0.5)
+        elif name.endswith("dt_bias") or name.endswith("norm.weight"):
+            t = torch.randn(shape, generator=gen, device=device).mul(0.1)
+        elif name.endswith("conv1d.weight"):
+            t = torch.randn(shape, generator=gen, device=device).mul(0.3)
+        else:
+            t = torch.randn(shape, generator=gen, device=device, dtype=t_dtype).mul(0.02)
+        weights[name] = t.to(t_dtype)
+    return weights
+
+
+def build_random_model(
+    geometry: str, device: torch.device, dtype: torch.dtype = torch.bfloat16, seed: int = 0
+):
+    """A ``Qwen35Model`` of the named geometry with random weights made on ``device``."""
+    from models.qwen35 import Qwen35Config, Qwen35Model
+    from models.qwen35.sharding import RankLayout
+
+    config = Qwen35Config.from_dicts(config_dict(geometry), source=f"geometry {geometry}")
+    weights = random_weights(config, device, dtype, seed)
+    return Qwen35Model(config, RankLayout.build(config, 0, 1), weights, device, dtype)
+
+
+def weight_bytes_per_step(model) -> int:
+    """Bytes of every weight one decode step reads: all layers, the final norm and the LM head
+    (the embedding gathers only B rows; a tied head is counted once, as the head)."""
+    seen: set[int] = set()
+    total = 0
+    tensors = [model.final_norm, model.head.weight]
+    for layer in model.layers:
+        tensors += [t for t in vars(layer).values() if isinstance(t, torch.Tensor)]
+        for part in (layer.attention, layer.linear_attention, layer.mlp):
+            if part is not None:
+                tensors += [
+                    t
+                    for k, t in vars(part).items()
+                    if isinstance(t, torch.Tensor) and not k.endswith(("cache", "state"))
+                ]
+    for t in tensors:
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
+
+
+def cuda_time_ms(fn: Callable[[], object], repeats: int) -> list[float]:
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
+@dataclass
+class Row:
+    batch: int
+    step_ms: float
+    tokens_per_s: float
+    roofline: float
+
+
+def decode_rows(model, batches: list[int], args: argparse.Namespace, device: torch.device) -> list[Row]:
+    from models.qwen35 import DecodeBatch
+
+    weight_bytes = weight_bytes_per_step(model)
+    max_batch = max(batches)
+    pages_per_row = -(-(args.context + args.steps + 8) // PAGE_SIZE)
+    model.allocate_cache(max_batch * pages_per_row + 1, PAGE_SIZE, max_batch)
+    rows = []
+    for batch in batches:
+        tokens = torch.randint(0, model.config.vocab_size, (batch,), device=device)
+        page_table = torch.arange(batch * pages_per_row, device=device, dtype=torch.int32).view(batch, -1)
+        step = DecodeBatch(
+            tokens=tokens,
+            positions=torch.full((batch,), args.context, dtype=torch.int64, device=device),
+            state_slots=torch.arange(batch, device=device),
+            page_table=page_table,
+        )
+        run = _graph_step(model, step) if args.cuda_graph else (lambda step=step: model.decode(step))
+        for _ in range(3):
+            run()
+        torch.cuda.synchronize()
+        step_ms = statistics.median(cuda_time_ms(run, args.steps))
+        rows.append(
+            Row(batch, step_ms, batch * 1e3 / step_ms, weight_bytes / (step_ms * 1e-3) / COPY_BANDWIDTH)
+        )
+    return rows
+
+
+def _graph_step(model, step) -> Callable[[], object]:
+    """Capture one decode step on fixed input buffers; the returned callable replays it."""
+    for _ in range(2):  # compile every kernel outside the capture
+        model.decode(step)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        model.decode(step)
+    return graph.replay
+
+
+def prefill_ms(model, length: int, device: torch.device) -> float:
+    from models.qwen35 import PrefillBatch
+
+    pages = -(-length // PAGE_SIZE)
+    model.allocate_cache(pages + 1, PAGE_SIZE, 1)
+    tokens = torch.randint(0, model.config.vocab_size, (length,)).tolist()
+    batch = PrefillBatch.build([(tokens, 0, 0, list(range(pages)))], device)
+    model.prefill(batch)  # compile
+    torch.cuda.synchronize()
+    return statistics.median(cuda_time_ms(lambda: model.prefill(batch), 3))
+
+
+def transformers_rows(
+    geometry: str, batches: list[int], args: argparse.Namespace, device: torch.device
+) -> tuple[list[Row], float]:
+    """Decode step (TPOT) and prefill time of transformers' model with the same geometry."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    raw = config_dict(geometry)
+    raw.pop("full_attention_interval")
+    hf_config = Qwen3_5TextConfig(**raw, initializer_range=0.02)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            hf = Qwen3_5ForCausalLM(hf_config).eval()
+    finally:
+        torch.set_default_dtype(previous)
+    weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
+    rows = [_transformers_decode(hf, hf_config, batch, args, device, weight_bytes) for batch in batches]
+    prompt = torch.randint(0, hf_config.vocab_size, (1, args.prefill_len), device=device)
+    with torch.inference_mode():
+        hf(input_ids=prompt, use_cache=False)
+        prefill = statistics.median(cuda_time_ms(lambda: hf(input_ids=prompt, use_cache=False), 2))
+    return rows, prefill
+
+
+@torch.inference_mode()
+def _transformers_decode(
+    hf, hf_config, batch: int, args: argparse.Namespace, device: torch.device, weight_bytes: int
+) -> Row:
+    from transformers import DynamicCache
+
+    ids = torch.randint(0, hf_config.vocab_size, (batch, args.context), device=device)
+    cache = DynamicCache(config=hf_config)
+    last = [hf(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)]
+
+    def step() -> None:
+        last[0] = hf(input_ids=last[0], past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+
+    step()
+    step_ms = statistics.median(cuda_time_ms(step, max(3, min(args.steps, 10))))
+    return Row(batch, step_ms, batch * 1e3 / step_ms, weight_bytes / (step_ms * 1e-3) / COPY_BANDWIDTH)
+
+
+def _table(title: str, rows: list[Row], prefill: float, prefill_len: int) -> str:
+    lines = [
+        title,
+        "| batch | step ms | tokens/s | weight bytes / step time (of 4.3 TB/s) |",
+        "|---|---|---|---|",
+    ]
+    lines += [f"| {r.batch} | {r.step_ms:.2f} | {r.tokens_per_s:.0f} | {r.roofline:.1%} |" for r in rows]
+    lines.append(f"prefill {prefill_len} tokens: {prefill:.1f} ms")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    if not torch.cuda.is_available():
+        print("phalanx bench decode: needs a CUDA GPU (none is visible)")
+        return 2
+    device = torch.device("cuda")
+    batches = [int(b) for b in args.batch.split(",") if b]
+    torch.manual_seed(args.seed)
+    started = time.perf_counter()
+    model = build_random_model(args.geometry, device, seed=args.seed)
+    print(
+        f"built {args.geometry} with random bf16 weights in {time.perf_counter() - started:.1f} s; "
+        f"{weight_bytes_per_step(model) / 1e9:.2f} GB read per decode step; context {args.context}"
+    )
+    rows = decode_rows(model, batches, args, device)
+    prefill = prefill_ms(model, args.prefill_len, device)
+    mode = "CUDA graph" if args.cuda_graph else "eager"
+    print(
+        _table(
+            f"phalanx {args.geometry} ({mode}, TP 1, {torch.cuda.get_device_name()})",
+            rows,
+            prefill,
+            args.prefill_len,
+        )
+    )
+    if args.vs_transformers:
+        del model
+        torch.cuda.empty_cache()
+        hf_rows, hf_prefill = transformers_rows(args.geometry, batches, args, device)
+        torch.cuda.empty_cache()
+        print(
+            _table(f"transformers {args.geometry} (eager, same GPU)", hf_rows, hf_prefill, args.prefill_len)
+        )
+    return 0
