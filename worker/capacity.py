@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from protocol.messages import Capacity
+from worker.buckets import MAX_GRAPH_BATCH, size_graph_slot_reserve
 from worker.config import WorkerLimits
 
 # Kept free on CUDA for activations, the prefill scratch, the allocator and the communicator.
@@ -16,14 +17,30 @@ class CapacityError(RuntimeError):
     pass
 
 
-def size_capacity(limits: WorkerLimits, model, device: torch.device, rank: int) -> Capacity:
-    """Each request needs two state slots (prefill staging and decode) and its KV pages."""
+def size_capacity(
+    limits: WorkerLimits, model, device: torch.device, rank: int, cuda_graph: bool = False
+) -> Capacity:
+    """Each request needs two state slots (prefill staging and decode) and its KV pages.
+
+    With CUDA graphs the decode slots are the graph slot reserve, sized by the effective bucket
+    (``worker.buckets.size_graph_slot_reserve``), and the batch is at most the largest bucket.
+    """
+    max_slots = min(limits.max_slots, MAX_GRAPH_BATCH) if cuda_graph else limits.max_slots
     if device.type != "cuda":
-        return Capacity(limits.kv_pages, limits.page_size, limits.max_slots, limits.max_batch_tokens)
+        return Capacity(limits.kv_pages, limits.page_size, max_slots, limits.max_batch_tokens)
     free, _total = torch.cuda.mem_get_info(device)
     budget = free - CUDA_RESERVE_BYTES
     per_request_state = 2 * model.state_bytes_per_slot()
-    slots = min(limits.max_slots, max(0, budget) // per_request_state)
+    if cuda_graph:
+        state = model.state_bytes_per_slot()
+        reserve = size_graph_slot_reserve(
+            max_slots, max(0, budget), state, lambda left: min(max_slots, max(0, left) // state)
+        )
+        slots = reserve.max_batch
+        # The graph reserve holds the decode slots (and the spare ones up to the bucket).
+        budget -= reserve.reserve_bytes - slots * state
+    else:
+        slots = min(max_slots, max(0, budget) // per_request_state)
     if slots < 1:
         raise CapacityError(
             f"rank {rank} has {free // MIB} MiB free, but one request's recurrent state needs "

@@ -16,6 +16,7 @@ from protocol.messages import DecodeRow, DropRequest, PrefillChunk, TokenResult
 from protocol.packing import unpack_list
 from worker.errors import WorkerStateError
 from worker.faults import fault_point
+from worker.graphs import DecodeGraphRunner
 from worker.request_table import Phase, RequestState, RequestTable
 from worker.sampling import sample
 from worker.slots import SlotTable
@@ -55,6 +56,7 @@ class StepRunner:
         self.max_batch_tokens = max_batch_tokens
         self.requests = RequestTable(max_slots)
         self.slots = SlotTable(max_slots)
+        self.graphs: DecodeGraphRunner | None = None  # set in graph mode (worker.graphs)
 
     # -- checks ---------------------------------------------------------------------------------
 
@@ -165,10 +167,12 @@ class StepRunner:
             if plan.state.phase is Phase.PREFILLED:
                 self.model.copy_state(plan.state.state_slot, plan.row.slot)
                 self.requests.promote(plan.state, plan.row.slot)
-        batch = DecodeBatch.build(
-            [(plan.row.token, plan.row.position, plan.row.slot, plan.pages) for plan in plans], self.device
-        )
-        logits = self.model.decode(batch)
+        rows = [(plan.row.token, plan.row.position, plan.row.slot, plan.pages) for plan in plans]
+        if self.graphs is not None:
+            occupied = [slot for slot, owner in enumerate(self.slots.owners) if owner is not None]
+            logits = self.graphs.decode(DecodeBatch.build(rows), occupied)
+        else:
+            logits = self.model.decode(DecodeBatch.build(rows, self.device))
         for plan in plans:
             plan.state.cached += 1
         if self.rank != 0:

@@ -9,7 +9,7 @@ is reached on that rank (counted from 1); without it the fault fires every time.
 
 Points:
   ``load``, ``dist_init``          startup phases (in the worker's startup code)
-  ``ping``, ``prefill``, ``decode``, ``unified``, ``drop``
+  ``ping``, ``prefill``, ``decode``, ``unified``, ``drop``, ``precapture`` (each sweep phase)
                                    inside the command's execution, so ``raise`` is an execution failure
   ``command``                      a command (any kind but Shutdown) as it arrives at the rank
   ``reply``                        a reply to a command as it leaves the rank
@@ -62,7 +62,7 @@ from protocol.messages import (
 )
 
 ENV = "PHALANX_TEST_FAULT"
-EXECUTION_POINTS = ("ping", "prefill", "decode", "unified", "drop")
+EXECUTION_POINTS = ("ping", "prefill", "decode", "unified", "drop", "precapture")
 POINTS = ("load", "dist_init", *EXECUTION_POINTS, "command", "reply")
 PROCESS_ACTIONS = ("raise", "exit", "kill", "hang", "slow")
 REPLY_ACTIONS = ("corrupt", "wrong_seq", "wrong_rank", "wrong_epoch", "duplicate", "ack")

@@ -30,8 +30,8 @@ import structlog
 import torch
 
 from models.qwen35 import DecodeBatch
-from protocol.messages import Ack, Capture, Finalize, Launch, Precapture, PrecapturePhase, Warmup
-from worker.buckets import bucket_for, buckets_up_to
+from protocol.messages import Ack, Capacity, Capture, Finalize, Launch, Precapture, PrecapturePhase, Warmup
+from worker.buckets import bucket_for, buckets_up_to, state_slot_layout
 from worker.errors import WorkerStateError
 from worker.faults import fault_point
 
@@ -356,13 +356,35 @@ class DecodeGraphRunner:
             torch.cuda.synchronize(self.device)
 
 
+def build_graph_runner(
+    model: object, capacity: Capacity, device: torch.device, *, rank: int, world_size: int
+) -> DecodeGraphRunner:
+    """The runner for a rank serving with ``capacity`` (the effective one, after the gate).
+
+    State slots follow ``state_slot_layout(capacity.max_slots, cuda_graph=True)``; a row's page
+    table is as wide as the longest request can need, bounded by the KV pool.
+    """
+    config = model.config
+    longest = -(-config.max_position_embeddings // capacity.page_size)
+    geometry = GraphGeometry(
+        max_batch=capacity.max_slots,
+        max_pages=min(capacity.kv_pages, longest),
+        padding_page=capacity.kv_pages,
+        spare_slot_base=state_slot_layout(capacity.max_slots, cuda_graph=True).spare_base,
+        hidden_size=config.hidden_size,
+        dtype=model.dtype,
+        world_size=world_size,
+    )
+    return DecodeGraphRunner(model, geometry, device, rank=rank)
+
+
 def precapture_handler(runner: DecodeGraphRunner | None, rank: int) -> Callable[[Precapture], Ack]:
     """The command loop's handler for ``Precapture``: one sweep phase on this rank's runner."""
 
     def handle(command: Precapture) -> Ack:
         if runner is None:
             raise WorkerStateError(f"precapture sent to rank {rank}, which runs decode without CUDA graphs")
-        fault_point(type(command.phase).__name__.lower(), rank)
+        fault_point("precapture", rank)
         runner.run_phase(command.phase)
         return Ack()
 

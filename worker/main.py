@@ -17,12 +17,14 @@ import structlog
 import torch
 
 from protocol import PROTOCOL_VERSION, ProtocolError, decode_envelope, encode
-from protocol.messages import Cancel, Capacity, Failed, Go, Ready, ReplyEnvelope
+from protocol.messages import Cancel, Capacity, Failed, Go, Precapture, Ready, ReplyEnvelope
 from protocol.transport import RankSocket
+from worker.buckets import state_slot_layout
 from worker.capacity import size_capacity
 from worker.commands import StepRunner
 from worker.config import WorkerConfig
 from worker.faults import fault_point
+from worker.graphs import build_graph_runner, precapture_handler
 from worker.heartbeat import HeartbeatThread
 from worker.logs import bind_epoch, configure_logging
 from worker.loop import EXIT_OK, EXIT_POISONED, CommandLoop
@@ -111,7 +113,7 @@ def _startup(sock: RankSocket, config: WorkerConfig) -> tuple[StepRunner, int] |
             dtype=_dtype(config),
         )
         phase = "startup:capacity"
-        local = size_capacity(config.limits, model, device, config.rank)
+        local = size_capacity(config.limits, model, device, config.rank, config.cuda_graph)
     except Exception as exc:
         raise StartupFailure(phase, exc) from exc
     ready = Ready(local, str(device), os.getpid(), socket.gethostname())
@@ -131,7 +133,14 @@ def _startup(sock: RankSocket, config: WorkerConfig) -> tuple[StepRunner, int] |
         phase = "startup:dist_init"
         _init_distributed(config, decision, device)
         phase = "startup:allocate"
-        model.allocate_cache(effective.kv_pages + 1, effective.page_size, 2 * effective.max_slots)
+        slots = state_slot_layout(effective.max_slots, config.cuda_graph)
+        model.allocate_cache(effective.kv_pages + 1, effective.page_size, slots.total)
+        graphs = None
+        if config.cuda_graph:
+            phase = "startup:graphs"
+            graphs = build_graph_runner(
+                model, effective, device, rank=config.rank, world_size=config.world_size
+            )
     except Exception as exc:
         raise StartupFailure(phase, exc) from exc
     runner = StepRunner(
@@ -143,6 +152,7 @@ def _startup(sock: RankSocket, config: WorkerConfig) -> tuple[StepRunner, int] |
         effective.max_slots,
         effective.max_batch_tokens,
     )
+    runner.graphs = graphs
     return runner, epoch
 
 
@@ -164,7 +174,12 @@ def run_worker(config: WorkerConfig) -> int:
         if config.heartbeat_interval > 0:
             heartbeat = HeartbeatThread(config.coordinator, config.rank, epoch, config.heartbeat_interval)
             heartbeat.start()
-        code = CommandLoop(sock, config.rank, epoch, runner).run()
+        loop = CommandLoop(sock, config.rank, epoch, runner)
+        if runner.graphs is not None:
+            loop.register(Precapture, precapture_handler(runner.graphs, config.rank))
+        code = loop.run()
+        if runner.graphs is not None:
+            runner.graphs.release()  # graphs hold the process group's collectives: drop them first
         if code == EXIT_OK and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         return code
