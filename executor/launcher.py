@@ -17,6 +17,7 @@ from executor.logs import bind, configure_logging
 from executor.model_info import read_model_info
 from executor.ranks import RankHandle
 from executor.runtime import Executor
+from protocol.trace import open_trace
 from protocol.transport import CoordinatorSocket, RuntimeDir, tcp_address
 from worker.config import WorkerConfig, WorkerLimits, encode_config
 from worker.entry import spawn_main
@@ -75,7 +76,12 @@ def launch_executor(config: ExecutorConfig) -> Executor:
     else:
         ranks = _spawn_ranks(config, sock.address, epoch)
         dist_init_method = tcp_address("127.0.0.1", _free_tcp_port("127.0.0.1"))
-    link = RankLink(sock, ranks, config.heartbeat_timeout)
+    trace = (
+        open_trace(config.record, epoch=epoch, world_size=config.tp, meta=vars(config))
+        if config.record
+        else None
+    )
+    link = RankLink(sock, ranks, config.heartbeat_timeout, trace)
     backend = "nccl" if config.device == "cuda" else "gloo"
     try:
         capacity = run_startup_gate(link, epoch, config.startup_timeout, dist_init_method, backend)

@@ -11,6 +11,7 @@ import zmq
 from executor.ranks import RankHandle
 from protocol import ProtocolError, decode_reply
 from protocol.messages import Heartbeat, ReplyEnvelope
+from protocol.trace import TraceWriter
 from protocol.transport import CoordinatorSocket
 
 log = structlog.get_logger("phalanx.executor")
@@ -27,8 +28,15 @@ class DispatchError(Exception):
 
 
 class RankLink:
-    def __init__(self, sock: CoordinatorSocket, ranks: list[RankHandle], heartbeat_timeout: float) -> None:
+    def __init__(
+        self,
+        sock: CoordinatorSocket,
+        ranks: list[RankHandle],
+        heartbeat_timeout: float,
+        trace: TraceWriter | None = None,
+    ) -> None:
         self.sock = sock
+        self.trace = trace  # records every frame sent and received (``--record``)
         self.ranks = ranks
         self.heartbeat_timeout = heartbeat_timeout
         self.rejected_frames = 0
@@ -40,6 +48,8 @@ class RankLink:
 
     def broadcast(self, payload: bytes, ranks: list[RankHandle] | None = None) -> None:
         """Send ``payload`` to every rank (rank order); a rank that cannot be reached raises."""
+        if self.trace is not None:
+            self.trace.sent_to(payload, None if ranks is None else [rank.rank for rank in ranks])
         for rank in self.ranks if ranks is None else ranks:
             if rank.identity is None:
                 raise DispatchError(rank.rank, "rank has not connected")
@@ -60,6 +70,8 @@ class RankLink:
         while self.sock.socket.poll(0):
             try:
                 identity, frame = self.sock.recv_ready()
+                if self.trace is not None:
+                    self.trace.received(frame)
                 reply = decode_reply(frame, epoch=None if startup else epoch)
                 if startup and reply.epoch not in (0, epoch):
                     raise ProtocolError(

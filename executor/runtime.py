@@ -136,6 +136,8 @@ class Executor:
             grace = max(0.0, grace - (time.monotonic() - started))
         self._link.stop_all(grace)
         self._link.sock.close()
+        if self._link.trace is not None:
+            self._link.trace.close()
         if self._runtime_dir is not None:
             self._runtime_dir.remove()
         log.info("executor shut down")

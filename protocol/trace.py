@@ -97,6 +97,11 @@ class TraceWriter:
         """Record a command frame handed to the socket of ``rank`` (ALL_RANKS: to every rank)."""
         self._append(TraceMessage(time.time_ns(), Direction.SEND, rank, bytes(frame)))
 
+    def sent_to(self, frame: bytes, ranks: list[int] | None) -> None:
+        """Record one frame sent to ``ranks`` (None: to every rank, kept as one record)."""
+        for rank in [ALL_RANKS] if ranks is None else ranks:
+            self.sent(frame, rank)
+
     def received(self, frame: bytes, rank: int = ALL_RANKS) -> None:
         """Record a reply frame as it came off the socket (ALL_RANKS: rank read from the frame)."""
         self._append(TraceMessage(time.time_ns(), Direction.RECV, rank, bytes(frame)))
@@ -117,10 +122,15 @@ def open_trace(
     *,
     epoch: int,
     world_size: int,
-    meta: Mapping[str, MetaValue] | None = None,
+    meta: Mapping[str, object] | None = None,
 ) -> TraceWriter:
-    """Start a new trace (truncating ``path``) for one launch."""
-    header = TraceHeader(TRACE_VERSION, time.time(), epoch, world_size, dict(meta or {}))
+    """Start a new trace (truncating ``path``) for one launch. ``meta`` keeps its scalar values
+    (a launch config's fields); anything else is written as its ``str``."""
+    kept = {
+        str(k): v if v is None or isinstance(v, str | int | float | bool) else str(v)
+        for k, v in (meta or {}).items()
+    }
+    header = TraceHeader(TRACE_VERSION, time.time(), epoch, world_size, kept)
     return TraceWriter(path, header)
 
 

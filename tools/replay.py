@@ -210,7 +210,9 @@ def stats(trace: Trace) -> list[str]:
 
 
 def _comparable(body: object) -> object:
-    """What must be equal between two runs: not pids, hosts or tracebacks."""
+    """What must be equal between two runs: not pids, hosts, rendezvous ports or tracebacks."""
+    if isinstance(body, Go):
+        return ("go", body.capacity, body.dist_backend)
     if isinstance(body, Ready):
         return ("ready", body.capacity, body.device)
     if isinstance(body, Failed):
@@ -264,7 +266,7 @@ def diff(a: Trace, b: Trace) -> list[str]:
     steps_a, steps_b = steps(a), steps(b)
     for index, (x, y) in enumerate(zip(steps_a, steps_b, strict=False)):
         where = f"first divergence at step {index} (seq {x.seq} in A, seq {y.seq} in B)"
-        if x.seq != y.seq or x.commands != y.commands:
+        if x.seq != y.seq or _comparables(x.commands) != _comparables(y.commands):
             return [where + ": the commands differ", *_side("A", x.commands), *_side("B", y.commands)]
         for rank in sorted(set(x.replies) | set(y.replies)):
             if _comparables(x.replies.get(rank, [])) != _comparables(y.replies.get(rank, [])):
