@@ -23,7 +23,7 @@ from worker.buckets import state_slot_layout
 from worker.capacity import size_capacity
 from worker.commands import StepRunner
 from worker.config import WorkerConfig
-from worker.faults import fault_point
+from worker.faults import fault_point, wrap_socket
 from worker.graphs import build_graph_runner, precapture_handler
 from worker.heartbeat import HeartbeatThread
 from worker.logs import bind_epoch, configure_logging
@@ -158,7 +158,7 @@ def _startup(sock: RankSocket, config: WorkerConfig) -> tuple[StepRunner, int] |
 
 def run_worker(config: WorkerConfig) -> int:
     configure_logging(config.rank, config.epoch, config.log_level)
-    sock = RankSocket(config.coordinator, f"rank-{config.rank}".encode())
+    sock = wrap_socket(RankSocket(config.coordinator, f"rank-{config.rank}".encode()), config.rank)
     heartbeat: HeartbeatThread | None = None
     try:
         try:
