@@ -88,7 +88,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed decode steps per batch size")
     parser.add_argument("--context", type=int, default=512, help="tokens already in each row's KV cache")
     parser.add_argument("--prefill-len", type=int, default=4096, help="prompt length of the prefill figure")
-    parser.add_argument("--cuda-graph", action="store_true", help="replay each step from a CUDA graph")
+    parser.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="also time the serving graph path (pre-capture sweep, then bucketed graph replay)",
+    )
     parser.add_argument("--vs-transformers", action="store_true", help="time transformers in the same run")
     parser.add_argument("--seed", type=int, default=0)
 
@@ -201,7 +205,7 @@ def decode_rows(model, batches: list[int], args: argparse.Namespace, device: tor
             state_slots=torch.arange(batch, device=device),
             page_table=page_table,
         )
-        run = _graph_step(model, step) if args.cuda_graph else (lambda step=step: model.decode(step))
+        run = lambda step=step: model.decode(step)  # noqa: E731
         for _ in range(3):
             run()
         torch.cuda.synchronize()
@@ -212,15 +216,44 @@ def decode_rows(model, batches: list[int], args: argparse.Namespace, device: tor
     return rows
 
 
-def _graph_step(model, step) -> Callable[[], object]:
-    """Capture one decode step on fixed input buffers; the returned callable replays it."""
-    for _ in range(2):  # compile every kernel outside the capture
-        model.decode(step)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        model.decode(step)
-    return graph.replay
+def graph_decode_rows(
+    model, batches: list[int], args: argparse.Namespace, device: torch.device
+) -> tuple[list[Row], float]:
+    """The serving graph path: the worker's graph runner, its whole pre-capture sweep (timed), then
+    each step as a rank runs it: host rows copied into the static buffers, the bucket's graph
+    replayed. Returns the rows and the sweep's seconds."""
+    from executor.precapture import run_precapture_sweep
+    from models.qwen35 import DecodeBatch
+    from protocol.messages import Capacity
+    from worker.buckets import state_slot_layout
+    from worker.graphs import build_graph_runner
+
+    weight_bytes = weight_bytes_per_step(model)
+    max_batch = max(batches)
+    pages_per_row = -(-(args.context + args.steps + 8) // PAGE_SIZE)
+    kv_pages = max_batch * pages_per_row
+    model.allocate_cache(kv_pages + 1, PAGE_SIZE, state_slot_layout(max_batch, cuda_graph=True).total)
+    capacity = Capacity(kv_pages, PAGE_SIZE, max_batch, args.prefill_len)
+    runner = build_graph_runner(model, capacity, device, rank=0, world_size=1)
+    sweep = run_precapture_sweep(runner.run_phase, runner.buckets)
+    rows = []
+    for batch in batches:
+        step = DecodeBatch(
+            tokens=torch.randint(0, model.config.vocab_size, (batch,)),
+            positions=torch.full((batch,), args.context, dtype=torch.int64),
+            state_slots=torch.arange(batch),
+            page_table=torch.arange(batch * pages_per_row, dtype=torch.int32).view(batch, -1),
+        )
+        run = lambda step=step: runner.decode(step)  # noqa: E731
+        for _ in range(3):
+            run()
+        torch.cuda.synchronize()
+        step_ms = statistics.median(cuda_time_ms(run, args.steps))
+        rows.append(
+            Row(batch, step_ms, batch * 1e3 / step_ms, weight_bytes / (step_ms * 1e-3) / COPY_BANDWIDTH)
+        )
+    runner.release()
+    return rows, sweep.seconds
 
 
 def prefill_ms(model, length: int, device: torch.device) -> float:
@@ -304,15 +337,29 @@ def run(args: argparse.Namespace) -> int:
     )
     rows = decode_rows(model, batches, args, device)
     prefill = prefill_ms(model, args.prefill_len, device)
-    mode = "CUDA graph" if args.cuda_graph else "eager"
     print(
         _table(
-            f"phalanx {args.geometry} ({mode}, TP 1, {torch.cuda.get_device_name()})",
+            f"phalanx {args.geometry} (eager, TP 1, {torch.cuda.get_device_name()})",
             rows,
             prefill,
             args.prefill_len,
         )
     )
+    if args.cuda_graph:
+        from worker.buckets import bucket_for
+
+        graph_rows, sweep_s = graph_decode_rows(model, batches, args, device)
+        print(
+            f"phalanx {args.geometry} (CUDA graph, TP 1): pre-capture sweep of every bucket up to "
+            f"{bucket_for(max(batches))} in {sweep_s:.1f} s"
+        )
+        print("| batch | step ms | tokens/s | weight bytes / step time (of 4.3 TB/s) | vs eager |")
+        print("|---|---|---|---|---|")
+        for graph, eager in zip(graph_rows, rows, strict=True):
+            print(
+                f"| {graph.batch} | {graph.step_ms:.2f} | {graph.tokens_per_s:.0f} | {graph.roofline:.1%} "
+                f"| {eager.step_ms / graph.step_ms:.2f}x |"
+            )
     if args.vs_transformers:
         del model
         torch.cuda.empty_cache()
