@@ -1,0 +1,183 @@
+"""One rank's checks and command loop, in process, with the real tiny model and real sockets."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from models.qwen35 import Qwen35Model
+from protocol import PROTOCOL_VERSION, decode_reply, encode
+from protocol.messages import (
+    Ack,
+    Decode,
+    DecodeDone,
+    DecodeRow,
+    DropAck,
+    DropRequest,
+    Envelope,
+    Expectation,
+    Failed,
+    Ping,
+    Prefill,
+    PrefillChunk,
+    PrefillDone,
+    Shutdown,
+    SlotMove,
+)
+from protocol.packing import pack_ids
+from protocol.transport import CoordinatorSocket, RankSocket, RuntimeDir
+from worker.commands import StepRunner
+from worker.errors import WorkerStateError
+from worker.loop import EXIT_OK, EXIT_POISONED, CommandLoop
+
+PAGE = 4
+MAX_SLOTS = 3
+KV_PAGES = 16
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir: Path) -> Qwen35Model:
+    return Qwen35Model.load(tiny_model_dir, rank=0, world_size=1, device=torch.device("cpu"))
+
+
+@pytest.fixture
+def runner(model: Qwen35Model) -> StepRunner:
+    model.allocate_cache(KV_PAGES + 1, PAGE, 2 * MAX_SLOTS)
+    return StepRunner(model, torch.device("cpu"), 0, PAGE, KV_PAGES, MAX_SLOTS, 64)
+
+
+def _chunk(
+    request_id: int, tokens: list[int], start: int, pages: list[int], last: bool = True
+) -> PrefillChunk:
+    return PrefillChunk(request_id, pack_ids(tokens), start, pack_ids(pages), last)
+
+
+def _row(request_id: int, slot: int, position: int, pages: list[int], token: int = 3) -> DecodeRow:
+    return DecodeRow(request_id, slot, token, position, pack_ids(pages))
+
+
+def test_phase_and_position_checks(runner: StepRunner) -> None:
+    with pytest.raises(WorkerStateError, match="^decode request 5 has no worker state$"):
+        runner.decode([_row(5, 0, 0, [0])])
+    assert runner.prefill([_chunk(1, [4, 5, 6], 0, [0], last=False)]) == []
+    with pytest.raises(WorkerStateError, match="^request 1 is not ready for decode$"):
+        runner.decode([_row(1, 0, 3, [0])])
+    with pytest.raises(
+        WorkerStateError, match="^prefill chunk for request 1 starts at 2 but 3 tokens are cached$"
+    ):
+        runner.prefill([_chunk(1, [7], 2, [0])])
+    (result,) = runner.prefill([_chunk(1, [7, 8], 3, [0, 1])])
+    assert result.request_id == 1
+    with pytest.raises(WorkerStateError, match="^request 1 is already in prefilled state$"):
+        runner.prefill([_chunk(1, [9], 5, [0, 1])])
+    with pytest.raises(
+        WorkerStateError, match="^decode row of request 1 is at position 4 but 5 tokens are cached$"
+    ):
+        runner.decode([_row(1, 0, 4, [0, 1])])
+    with pytest.raises(
+        WorkerStateError, match="^page table of request 2 has 1 pages; 2 are needed for 5 tokens$"
+    ):
+        runner.prefill([_chunk(2, [1, 2, 3, 4, 5], 0, [2])])
+
+
+def test_slot_admission_moves_and_drops(runner: StepRunner) -> None:
+    runner.prefill([_chunk(1, [4, 5], 0, [0]), _chunk(2, [6], 0, [1]), _chunk(3, [7, 8, 9], 0, [2])])
+    assert [state.staging_slot for state in runner.requests.requests.values()] == [3, 4, 5]
+    runner.decode([_row(1, 0, 2, [0]), _row(2, 1, 1, [1])])
+    with pytest.raises(
+        WorkerStateError, match="^decode slot 1 still owned by request 2 at admission of request 3$"
+    ):
+        runner.decode([_row(3, 1, 3, [2])])
+    with pytest.raises(
+        WorkerStateError, match="^decode row of request 1 carries slot 2 but the request lives in slot 0$"
+    ):
+        runner.decode([_row(1, 2, 3, [0])])
+    with pytest.raises(WorkerStateError, match="^drop of absent request 9 carries a slot compaction$"):
+        runner.drop(DropRequest(9, Expectation.MUST_EXIST, SlotMove(2, 1, 0)))
+    with pytest.raises(
+        WorkerStateError, match="^request 2 lives in slot 1 but the scheduler dropped it from slot 0$"
+    ):
+        runner.drop(DropRequest(2, Expectation.MUST_EXIST, SlotMove(3, 1, 0)))
+    with pytest.raises(
+        WorkerStateError, match="^request 1 lives in slot 0 but the scheduler moved it from slot 1$"
+    ):
+        runner.drop(DropRequest(3, Expectation.MUST_EXIST, SlotMove(1, 1, 2)))
+    # Drop request 1 (slot 0); request 2 moves 1 -> 0; request 3 never took a slot.
+    assert runner.drop(DropRequest(1, Expectation.MUST_EXIST, SlotMove(2, 1, 0))) is True
+    assert runner.slots.owners == [2, None, None]
+    assert runner.requests.requests[2].decode_slot == 0
+    assert runner.drop(DropRequest(1, Expectation.MUST_BE_ABSENT)) is False
+    assert runner.drop(DropRequest(3, Expectation.MUST_EXIST)) is True
+    assert runner.drop(DropRequest(2, Expectation.MUST_EXIST)) is True
+    assert runner.slots.owners == [None, None, None] and len(runner.requests) == 0
+
+
+class _Coordinator:
+    """Real sockets around a CommandLoop running in a thread."""
+
+    def __init__(self, runner: StepRunner, epoch: int = 5) -> None:
+        self.runtime = RuntimeDir()
+        self.sock = CoordinatorSocket(self.runtime.ipc_address())
+        self.rank_sock = RankSocket(self.sock.address, b"rank-0")
+        self.loop = CommandLoop(self.rank_sock, 0, epoch, runner)
+        self.epoch = epoch
+        self.exit_code: int | None = None
+        self.thread = threading.Thread(target=self._run)
+        self.thread.start()
+
+    def _run(self) -> None:
+        self.exit_code = self.loop.run()
+
+    def send(self, body, seq: int, epoch: int | None = None) -> None:
+        self.sock.send(b"rank-0", encode(Envelope(PROTOCOL_VERSION, epoch or self.epoch, seq, body)))
+
+    def reply(self, timeout: float = 10.0):
+        received = self.sock.recv(timeout)
+        return None if received is None else decode_reply(received[1], epoch=self.epoch)
+
+    def close(self) -> None:
+        self.thread.join(10)
+        self.rank_sock.close(linger_ms=0)
+        self.sock.close()
+        self.runtime.remove()
+
+
+def test_loop_rejects_bad_frames_and_serves(runner: StepRunner) -> None:
+    peer = _Coordinator(runner)
+    try:
+        peer.sock.send(b"rank-0", b"\x00garbage")
+        peer.send(Ping(), seq=1, epoch=99)  # foreign epoch
+        peer.send(Ping(), seq=2)
+        assert peer.reply().body == Ack()
+        peer.send(Ping(), seq=2)  # stale seq: dropped, no reply
+        assert peer.reply(0.3) is None
+        peer.send(Prefill([_chunk(1, [4, 5], 0, [0])]), seq=3)
+        done = peer.reply()
+        assert done.seq == 3 and isinstance(done.body, PrefillDone)
+        peer.send(Decode([_row(1, 0, 2, [0], token=done.body.results[0].token)]), seq=4)
+        assert isinstance(peer.reply().body, DecodeDone)
+        peer.send(DropRequest(1, Expectation.MUST_EXIST), seq=5)
+        assert peer.reply().body == DropAck(True)
+        peer.send(Shutdown(), seq=6)
+        assert peer.reply().body == Ack()
+    finally:
+        peer.close()
+    assert peer.loop.rejected_frames == 3
+    assert peer.exit_code == EXIT_OK
+
+
+def test_state_mismatch_poisons_and_exits(runner: StepRunner) -> None:
+    peer = _Coordinator(runner)
+    try:
+        peer.send(Decode([_row(7, 0, 0, [0])]), seq=1)
+        reply = peer.reply()
+        assert isinstance(reply.body, Failed)
+        assert reply.body.kind == "state" and reply.body.phase == "decode"
+        assert reply.body.message == "decode request 7 has no worker state"
+    finally:
+        peer.close()
+    assert peer.exit_code == EXIT_POISONED
+    assert peer.loop.poison_reason == "decode request 7 has no worker state"
