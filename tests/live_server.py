@@ -1,0 +1,75 @@
+"""A real ``phalanx serve`` process on 127.0.0.1 (free port) for the server, eval-mc and bench tests."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL_NAME = "tiny"
+_ADDRESS = re.compile(r"phalanx serving .* on (http://\S+)")
+
+
+@contextmanager
+def live_server(model_dir: Path, log_path: Path, *extra: str, startup_s: float = 120.0) -> Iterator[str]:
+    """Start the server at TP 2 on CPU; yield its base URL (no /v1); stop it afterwards."""
+    argv = [sys.executable, "-m", "tools", "serve", "--model", str(model_dir), "--tp", "2", "--port", "0"]
+    argv += ["--served-model-name", MODEL_NAME, "--max-slots", "8", "--kv-pages", "128", *extra]
+    log = log_path.open("w")
+    process = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True)
+    found: list[str] = []
+    ready = threading.Event()
+
+    def read_stdout() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            match = _ADDRESS.search(line)
+            if match and not found:
+                found.append(match.group(1))
+                ready.set()
+
+    threading.Thread(target=read_stdout, daemon=True).start()
+    try:
+        deadline = time.monotonic() + startup_s
+        while not ready.wait(0.2):
+            if process.poll() is not None or time.monotonic() > deadline:
+                log.flush()
+                raise RuntimeError(f"server did not start (exit {process.poll()}):\n{log_path.read_text()[-4000:]}")
+        httpx.get(found[0] + "/health", timeout=10).raise_for_status()
+        yield found[0]
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGINT)
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                os.kill(process.pid, signal.SIGKILL)
+                process.wait()
+        log.close()
+
+
+def metric(base_url: str, name: str) -> float:
+    """The value of an unlabelled metric from /metrics."""
+    text = httpx.get(base_url + "/metrics", timeout=10).text
+    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+    if match is None:
+        raise KeyError(f"metric {name} not in /metrics")
+    return float(match.group(1))
+
+
+def wait_for_metric(base_url: str, name: str, value: float, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (seen := metric(base_url, name)) != value:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{name} stayed {seen}, expected {value} within {timeout_s} s")
+        time.sleep(0.05)

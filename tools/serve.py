@@ -1,0 +1,112 @@
+"""``phalanx serve``: the OpenAI-compatible server over one replica.
+
+Without ``--model`` it serves the embedded tiny demo model (built on first use into the user's
+cache directory) on CPU at TP 2 on 127.0.0.1:8000, and prints a curl line that works against it.
+The replica is launched before the port is bound, so once the address is printed the server is
+ready. ``--port 0`` picks a free port (the printed address names it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import socket
+import sys
+from pathlib import Path
+
+import structlog
+
+log = structlog.get_logger("phalanx.serve")
+
+DEMO_TP = 2
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", type=Path, default=None, help="model directory (default: the tiny demo model)"
+    )
+    parser.add_argument(
+        "--tp", type=int, default=None, help=f"tensor-parallel degree (default: 1; demo: {DEMO_TP})"
+    )
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--cuda-graph", action="store_true", help="decode from CUDA graphs (cuda only)")
+    parser.add_argument("--host", default="127.0.0.1", help="interface to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="port (0: a free one)")
+    parser.add_argument(
+        "--served-model-name", default=None, help="model id in the API (default: directory name)"
+    )
+    parser.add_argument("--max-slots", type=int, default=16, help="concurrent decoding requests")
+    parser.add_argument(
+        "--kv-pages",
+        type=int,
+        default=None,
+        help="KV pages per rank (default: 512 on cpu, all that fit on cuda)",
+    )
+    parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    parser.add_argument("--max-batch-tokens", type=int, default=2048, help="tokens of one prefill step")
+    parser.add_argument("--step-timeout", type=float, default=300.0, help="seconds one engine step may take")
+    parser.add_argument("--log-level", default="warning", help="uvicorn's access/error log level")
+
+
+def curl_line(base: str, model: str) -> str:
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "Hello! Who are you?"}],
+        "max_tokens": 32,
+    }
+    return f"curl {base}/v1/chat/completions -H 'Content-Type: application/json' -d {shlex.quote(json.dumps(body))}"
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from executor.engine import Engine, EngineConfig
+    from server.app import create_app
+
+    if args.model is None:
+        from tools.demo_model import demo_model_dir
+
+        model_dir, tp, name = demo_model_dir(), args.tp or DEMO_TP, args.served_model_name or "tiny-demo"
+    else:
+        model_dir, tp, name = args.model, args.tp or 1, args.served_model_name
+    if not (Path(model_dir) / "tokenizer.json").is_file():
+        print(f"phalanx serve: error: no tokenizer.json in model directory {model_dir}", file=sys.stderr)
+        return 2
+    kv_pages = args.kv_pages if args.kv_pages is not None else (512 if args.device == "cpu" else 0)
+    config = EngineConfig(
+        model_dir=model_dir,
+        tp=tp,
+        device=args.device,
+        max_slots=args.max_slots,
+        kv_pages=kv_pages,
+        page_size=args.page_size,
+        max_batch_tokens=args.max_batch_tokens,
+        step_timeout=args.step_timeout,
+        cuda_graph=args.cuda_graph,
+    )
+    try:
+        sock = _listen(args.host, args.port)
+    except OSError as e:
+        print(f"phalanx serve: error: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 2
+    with sock, Engine.start(config) as engine:
+        app = create_app(engine, model_dir, name)
+        model = app.state.phalanx.model_name
+        host, port = sock.getsockname()[:2]
+        base = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+        print(f"phalanx serving {model!r} (tp={tp}, {args.device}) on {base}", flush=True)
+        print(f"try: {curl_line(base, model)}", flush=True)
+        server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5))
+        server.run(sockets=[sock])
+    return 0
