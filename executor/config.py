@@ -19,7 +19,8 @@ class ExecutorConfig:
     startup_timeout: float = 120.0  # Ready from every rank, then dist init, then the first Ping
     dist_init_timeout: float = 60.0  # each rank's startup watchdog
     shutdown_timeout: float = 30.0
-    cuda_graph: bool = False
+    cuda_graph: bool = False  # decode from per-bucket CUDA graphs (on CPU: eager static buffers)
+    precapture_timeout: float = 600.0  # the decode graph pre-capture sweep's watchdog (aborts)
     transport: str = "ipc"  # "ipc" (private runtime dir) or "tcp"
     host: str = "127.0.0.1"  # tcp: the interface to bind
     port: int = 0  # tcp: 0 picks a free port
@@ -37,8 +38,12 @@ class ExecutorConfig:
             raise ValueError("attached ranks (started by torchrun/SLURM) need transport 'tcp'")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
-        if self.cuda_graph and self.device != "cuda":
-            raise ValueError("cuda_graph needs device 'cuda'")
-        for name in ("step_timeout", "startup_timeout", "dist_init_timeout", "shutdown_timeout"):
+        for name in (
+            "step_timeout",
+            "startup_timeout",
+            "dist_init_timeout",
+            "shutdown_timeout",
+            "precapture_timeout",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

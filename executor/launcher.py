@@ -15,6 +15,7 @@ from executor.gate import FIRST_PING_SEQ, run_startup_gate
 from executor.link import RankLink
 from executor.logs import bind, configure_logging
 from executor.model_info import read_model_info
+from executor.precapture import precapture_decode_graphs
 from executor.ranks import RankHandle
 from executor.runtime import Executor
 from protocol.trace import open_trace
@@ -51,6 +52,7 @@ def _spawn_ranks(config: ExecutorConfig, address: str, epoch: int) -> list[RankH
             dist_init_timeout=config.dist_init_timeout,
             gate_timeout=config.startup_timeout,
             log_level=config.log_level,
+            cuda_graph=config.cuda_graph,
         )
         process = context.Process(
             target=spawn_main, args=(encode_config(worker_config),), name=f"phalanx-rank-{rank}", daemon=True
@@ -91,8 +93,15 @@ def launch_executor(config: ExecutorConfig) -> Executor:
         sock.close()
         if runtime_dir is not None:
             runtime_dir.remove()
+        exit_codes = {rank.rank: rank.exitcode for rank in ranks}
         if isinstance(exc, StartupError):
+            exc.exit_codes = exit_codes
             raise
-        raise StartupError(f"startup failed: {exc}") from exc
+        error = StartupError(f"startup failed: {exc}")
+        error.exit_codes = exit_codes
+        raise error from exc
+    executor = Executor(config, link, epoch, capacity, model_info, runtime_dir, FIRST_PING_SEQ)
+    if config.cuda_graph:
+        precapture_decode_graphs(executor)
     log.info("executor serving", world_size=config.tp, capacity=capacity, address=sock.address)
-    return Executor(config, link, epoch, capacity, model_info, runtime_dir, FIRST_PING_SEQ)
+    return executor

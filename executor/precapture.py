@@ -29,6 +29,9 @@ from dataclasses import dataclass, field
 import structlog
 from tqdm import tqdm
 
+from executor.errors import ExecutorError, StartupError
+from executor.runtime import Executor
+from protocol.buckets import buckets_up_to
 from protocol.messages import Capture, Finalize, Launch, PrecapturePhase, Warmup
 
 log = structlog.get_logger("phalanx.precapture")
@@ -106,6 +109,7 @@ def run_precapture_sweep(
     report = SweepReport(buckets=tuple(sorted(buckets)), seconds=0.0)
     started = time.perf_counter()
     phases = sweep_phases(buckets)
+    phase = phases[0]
     try:
         with tqdm(
             total=len(phases), desc="capturing decode graphs", unit="phase", disable=not progress
@@ -127,3 +131,17 @@ def run_precapture_sweep(
         buckets=list(report.buckets),
     )
     return report
+
+
+def precapture_decode_graphs(executor: Executor, progress: bool = True) -> SweepReport:
+    """The launcher's step after startup in graph mode: sweep every bucket up to
+    ``bucket_for(effective max_slots)`` on every rank. On failure every rank is stopped and a
+    StartupError names the phase."""
+    buckets = buckets_up_to(executor.capacity.max_slots)
+    try:
+        return run_precapture_sweep(
+            executor.precapture, buckets, timeout_s=executor.config.precapture_timeout, progress=progress
+        )
+    except ExecutorError as exc:
+        executor.shutdown()
+        raise StartupError(f"decode graph pre-capture failed: {exc}", phase="startup:precapture") from exc

@@ -384,8 +384,15 @@ def precapture_handler(runner: DecodeGraphRunner | None, rank: int) -> Callable[
     def handle(command: Precapture) -> Ack:
         if runner is None:
             raise WorkerStateError(f"precapture sent to rank {rank}, which runs decode without CUDA graphs")
-        fault_point("precapture", rank)
-        runner.run_phase(command.phase)
+        try:
+            fault_point("precapture", rank)
+            runner.run_phase(command.phase)
+        except GraphError:
+            raise
+        except Exception as exc:
+            raise GraphError(
+                f"pre-capture {_phase_name(command.phase)} failed on rank {rank}: {type(exc).__name__}: {exc}"
+            ) from exc
         return Ack()
 
     return handle
