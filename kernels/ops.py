@@ -16,9 +16,11 @@ from kernels.activation import silu_and_mul_ref
 from kernels.attention import paged_decode_attention_ref, paged_prefill_attention_ref
 from kernels.conv1d import causal_conv1d_decode_ref, causal_conv1d_prefill_ref
 from kernels.gdn import gated_delta_rule_decode_ref, gated_delta_rule_prefill_ref, gdn_gating_ref
+from kernels.gdn_step import gdn_decode_step_ref
 from kernels.kv_cache import write_kv_ref
 from kernels.norms import gated_rms_norm_ref, rms_norm_ref
 from kernels.rope import apply_rope_ref, rope_cache
+from kernels.rope_kv import norm_rope_write_kv_ref
 
 __all__ = [
     "apply_rope",
@@ -27,6 +29,8 @@ __all__ = [
     "gated_delta_rule_decode",
     "gated_delta_rule_prefill",
     "gated_rms_norm",
+    "norm_rope_write_kv",
+    "gdn_decode_step",
     "gdn_gating",
     "paged_decode_attention",
     "paged_prefill_attention",
@@ -175,3 +179,46 @@ def gated_delta_rule_prefill(
             q, k, v, g, beta, state, state_slots, cu_seqlens, has_initial_state
         )
     return gated_delta_rule_prefill_ref(q, k, v, g, beta, state, state_slots, cu_seqlens, has_initial_state)
+
+
+# Fused ops: each is the chain of the ops above that it replaces (see its reference module); on
+# CUDA one kernel instead of several launches.
+
+
+def norm_rope_write_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_norm: torch.Tensor,
+    k_norm: torch.Tensor,
+    eps: float,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_ids: torch.Tensor,
+) -> torch.Tensor:
+    args = (q, k, v, q_norm, k_norm, eps, positions, cos_sin, k_cache, v_cache, slot_ids)
+    if q.is_cuda:
+        return _triton("rope_kv", "norm_rope_write_kv")(*args)
+    return norm_rope_write_kv_ref(*args)
+
+
+def gdn_decode_step(
+    mixed_qkv: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    z: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    state: torch.Tensor,
+    state_slots: torch.Tensor,
+) -> torch.Tensor:
+    args = (mixed_qkv, conv_weight, conv_state, z, a, b, A_log, dt_bias, norm_weight, eps, state, state_slots)
+    if mixed_qkv.is_cuda:
+        return _triton("gdn_step", "gdn_decode_step")(*args)
+    return gdn_decode_step_ref(*args)

@@ -223,3 +223,25 @@ def test_gdn_decode_step_fused() -> None:
     assert rel(y, y_ref) <= OUT_TOL
     assert torch.equal(conv_state, conv_ref)
     assert rel(state, state_ref) <= STATE_TOL
+
+
+def test_norm_rope_write_kv_fused() -> None:
+    from kernels.rope import rope_cache
+    from kernels.rope_kv import norm_rope_write_kv_ref
+    from kernels.rope_kv_triton import norm_rope_write_kv_triton
+
+    cos_sin = rope_cache(32768, 64, 1e7, DEV)
+    hd = HEAD_DIM
+    qkv = rand(77, HEADS * 2 * hd + 2 * KV_HEADS * hd)
+    q = qkv[:, : HEADS * 2 * hd].view(77, HEADS, 2 * hd)[..., :hd]
+    k = qkv[:, HEADS * 2 * hd : HEADS * 2 * hd + KV_HEADS * hd].view(77, KV_HEADS, hd)
+    v = qkv[:, HEADS * 2 * hd + KV_HEADS * hd :].view(77, KV_HEADS, hd)
+    qw, kw = rand(hd, scale=0.1), rand(hd, scale=0.1)
+    pos = torch.randint(0, 32768, (77,), device=DEV)
+    slots = torch.randperm(40 * PAGE, device=DEV)[:77]
+    caches = [rand(40, PAGE, KV_HEADS, hd) for _ in range(2)]
+    refs = [c.clone() for c in caches]
+    out = norm_rope_write_kv_triton(q, k, v, qw, kw, 1e-6, pos, cos_sin, *caches, slots)
+    ref = norm_rope_write_kv_ref(q, k, v, qw, kw, 1e-6, pos, cos_sin, *refs, slots)
+    assert rel(out, ref) <= OUT_TOL
+    assert rel(caches[0], refs[0]) <= OUT_TOL and torch.equal(caches[1], refs[1])

@@ -224,6 +224,28 @@ def check_gdn_decode_step() -> dict[str, float]:
     return errors
 
 
+def check_norm_rope_write_kv() -> dict[str, float]:
+    from kernels.rope import rope_cache
+    from kernels.rope_kv import norm_rope_write_kv_ref
+    from kernels.rope_kv_triton import norm_rope_write_kv_triton
+
+    cos_sin = rope_cache(64, 8, 1e4, torch.device("cpu"))
+    qkv = _rand(5, 4 * 2 * 32 + 2 * 2 * 32)  # a fused projection output: q|gate rows per head, k, v
+    q = qkv[:, : 4 * 64].view(5, 4, 64)[..., :32]
+    k, v = qkv[:, 256:320].view(5, 2, 32), qkv[:, 320:].view(5, 2, 32)
+    qw, kw = _rand(32, scale=0.3), _rand(32, scale=0.3)
+    pos, slots = torch.tensor([0, 7, 3, 63, 12]), torch.tensor([3, 17, 0, 9, 22])
+    caches = [_rand(6, 4, 2, 32) for _ in range(2)]
+    ref_caches = [c.clone() for c in caches]
+    out = norm_rope_write_kv_triton(q, k, v, qw, kw, 1e-6, pos, cos_sin, *caches, slots)
+    ref = norm_rope_write_kv_ref(q, k, v, qw, kw, 1e-6, pos, cos_sin, *ref_caches, slots)
+    return {
+        "q": _rel(out, ref),
+        "k_cache": _rel(caches[0], ref_caches[0]),
+        "v_cache": _rel(caches[1], ref_caches[1]),
+    }
+
+
 CHECKS: dict[str, Callable[[], dict[str, float]]] = {
     name.removeprefix("check_"): fn for name, fn in list(globals().items()) if name.startswith("check_")
 }

@@ -64,12 +64,20 @@ class FullAttention:
         q_size, kv_size = self.num_heads * 2 * hd, self.num_kv_heads * hd
         q_gate, k, v = F.linear(x, self.qkv_weight).split([q_size, kv_size, kv_size], dim=-1)
         q, gate = q_gate.view(tokens, self.num_heads, 2 * hd).split([hd, hd], dim=-1)
-        q = ops.rms_norm(q.reshape(-1, hd), self.q_norm, self.eps)[0].view(tokens, self.num_heads, hd)
-        k = ops.rms_norm(k.reshape(-1, hd), self.k_norm, self.eps)[0].view(tokens, self.num_kv_heads, hd)
-        q = ops.apply_rope(q, ctx.positions, cos_sin)
-        k = ops.apply_rope(k, ctx.positions, cos_sin)
-        v = v.reshape(tokens, self.num_kv_heads, hd)
-        ops.write_kv(k, v, self.k_cache, self.v_cache, ctx.kv_slot_ids)
+        # q/k norms, partial RoPE and the paged K/V write in one op (one kernel on CUDA).
+        q = ops.norm_rope_write_kv(
+            q,
+            k.view(tokens, self.num_kv_heads, hd),
+            v.view(tokens, self.num_kv_heads, hd),
+            self.q_norm,
+            self.k_norm,
+            self.eps,
+            ctx.positions,
+            cos_sin,
+            self.k_cache,
+            self.v_cache,
+            ctx.kv_slot_ids,
+        )
         if ctx.is_prefill:
             attn = ops.paged_prefill_attention(
                 q, self.k_cache, self.v_cache, ctx.page_tables, ctx.cu_seqlens, ctx.starts, self.scale
@@ -123,24 +131,34 @@ class GatedDeltaNet:
         qkv, z, b, a = F.linear(x, self.in_weight).split(
             [self.conv_dim, z_size, self.value_heads, self.value_heads], dim=-1
         )
-        if ctx.is_prefill:
-            mixed = ops.causal_conv1d_prefill(
-                qkv, self.conv_weight, self.conv_state, ctx.state_slots, ctx.cu_seqlens, ctx.has_initial_state
+        if not ctx.is_prefill:  # conv, gates, delta rule and gated norm in one op (one kernel on CUDA)
+            y = ops.gdn_decode_step(
+                qkv,
+                self.conv_weight,
+                self.conv_state,
+                z.view(tokens, self.value_heads, self.value_dim),
+                a,
+                b,
+                self.A_log,
+                self.dt_bias,
+                self.norm,
+                self.eps,
+                self.recurrent_state,
+                ctx.state_slots,
             )
-        else:
-            mixed = ops.causal_conv1d_decode(qkv, self.conv_weight, self.conv_state, ctx.state_slots)
+            return self.tp.all_reduce(F.linear(y.reshape(tokens, -1), self.out_weight))
+        mixed = ops.causal_conv1d_prefill(
+            qkv, self.conv_weight, self.conv_state, ctx.state_slots, ctx.cu_seqlens, ctx.has_initial_state
+        )
         key_size = self.key_heads * self.key_dim
         q, k, v = mixed.split([key_size, key_size, z_size], dim=-1)
         q = q.reshape(tokens, self.key_heads, self.key_dim)
         k = k.reshape(tokens, self.key_heads, self.key_dim)
         v = v.reshape(tokens, self.value_heads, self.value_dim)
         g, beta = ops.gdn_gating(a, b, self.A_log, self.dt_bias)
-        if ctx.is_prefill:
-            o = ops.gated_delta_rule_prefill(
-                q, k, v, g, beta, self.recurrent_state, ctx.state_slots, ctx.cu_seqlens, ctx.has_initial_state
-            )
-        else:
-            o = ops.gated_delta_rule_decode(q, k, v, g, beta, self.recurrent_state, ctx.state_slots)
+        o = ops.gated_delta_rule_prefill(
+            q, k, v, g, beta, self.recurrent_state, ctx.state_slots, ctx.cu_seqlens, ctx.has_initial_state
+        )
         y = ops.gated_rms_norm(o, z.reshape(tokens, self.value_heads, self.value_dim), self.norm, self.eps)
         return self.tp.all_reduce(F.linear(y.reshape(tokens, -1), self.out_weight))
 

@@ -1,0 +1,138 @@
+"""``norm_rope_write_kv`` (see ``kernels/rope_kv.py``) as one Triton kernel.
+
+One program per (token, head) over the q heads then the KV heads: it normalises the head, rotates
+its first rotary_dim dims and stores it (q to the output, k and v into their cache slot)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _norm_rope_head(src, w_ptr, cs_row, dst, eps, D: tl.constexpr, ROT: tl.constexpr):
+    half: tl.constexpr = ROT // 2
+    d = tl.arange(0, D)
+    first = d < half
+    in_rot = d < ROT
+    partner = tl.where(first, d + half, tl.where(in_rot, d - half, d))
+    x = tl.load(src + d).to(tl.float32)
+    xp = tl.load(src + partner).to(tl.float32)
+    inv = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+    # Round the normalised values to the model dtype, as the unfused norm's output is.
+    n = (x * inv * (1.0 + tl.load(w_ptr + d).to(tl.float32))).to(dst.dtype.element_ty).to(tl.float32)
+    npart = (xp * inv * (1.0 + tl.load(w_ptr + partner).to(tl.float32))).to(dst.dtype.element_ty)
+    npart = npart.to(tl.float32)
+    freq = tl.where(first, d, d - half)
+    cos = tl.load(cs_row + freq, mask=in_rot, other=1.0)
+    sin = tl.load(cs_row + half + freq, mask=in_rot, other=0.0)
+    y = tl.where(first, n * cos - npart * sin, n * cos + npart * sin)
+    tl.store(dst + d, tl.where(in_rot, y, n).to(dst.dtype.element_ty))
+
+
+@triton.jit
+def _norm_rope_write_kv_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    qw_ptr,
+    kw_ptr,
+    pos_ptr,
+    cs_ptr,
+    kc_ptr,
+    vc_ptr,
+    slot_ptr,
+    out_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cs,
+    stride_cslot,
+    stride_ch,
+    eps,
+    H,
+    D: tl.constexpr,
+    ROT: tl.constexpr,
+):
+    t = tl.program_id(0)
+    head = tl.program_id(1)
+    cs_row = cs_ptr + tl.load(pos_ptr + t) * stride_cs
+    if head < H:
+        _norm_rope_head(
+            q_ptr + t * stride_qt + head * stride_qh,
+            qw_ptr,
+            cs_row,
+            out_ptr + (t * H + head) * D,
+            eps,
+            D=D,
+            ROT=ROT,
+        )
+    else:
+        kvh = head - H
+        dst = tl.load(slot_ptr + t) * stride_cslot + kvh * stride_ch
+        _norm_rope_head(
+            k_ptr + t * stride_kt + kvh * stride_kh, kw_ptr, cs_row, kc_ptr + dst, eps, D=D, ROT=ROT
+        )
+        d = tl.arange(0, D)
+        v = tl.load(v_ptr + t * stride_vt + kvh * stride_vh + d)
+        tl.store(vc_ptr + dst + d, v.to(vc_ptr.dtype.element_ty))
+
+
+def norm_rope_write_kv_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_norm: torch.Tensor,
+    k_norm: torch.Tensor,
+    eps: float,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_ids: torch.Tensor,
+) -> torch.Tensor:
+    tokens, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    if dim != triton.next_power_of_2(dim):
+        raise ValueError(f"norm_rope_write_kv needs a power-of-two head_dim, got {dim}")
+    if not k_cache.is_contiguous() or k_cache.stride() != v_cache.stride():
+        raise ValueError(
+            f"KV caches must be contiguous with one layout, got {k_cache.stride()} / {v_cache.stride()}"
+        )
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    out = torch.empty((tokens, heads, dim), dtype=q.dtype, device=q.device)
+    if tokens == 0:
+        return out
+    cos_sin = cos_sin.contiguous()
+    _norm_rope_write_kv_kernel[(tokens, heads + kv_heads)](
+        q,
+        k,
+        v,
+        q_norm,
+        k_norm,
+        positions,
+        cos_sin,
+        k_cache,
+        v_cache,
+        slot_ids,
+        out,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        cos_sin.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        eps,
+        heads,
+        D=dim,
+        ROT=cos_sin.shape[1],
+        num_warps=2,
+    )
+    return out
