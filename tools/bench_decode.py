@@ -95,6 +95,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--vs-transformers", action="store_true", help="time transformers in the same run")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--profile", action="store_true", help="print the top GPU kernels of one step per batch"
+    )
 
 
 def config_dict(geometry: str) -> dict[str, object]:
@@ -210,10 +213,23 @@ def decode_rows(model, batches: list[int], args: argparse.Namespace, device: tor
             run()
         torch.cuda.synchronize()
         step_ms = statistics.median(cuda_time_ms(run, args.steps))
+        if args.profile:
+            _print_profile(run, batch)
         rows.append(
             Row(batch, step_ms, batch * 1e3 / step_ms, weight_bytes / (step_ms * 1e-3) / COPY_BANDWIDTH)
         )
     return rows
+
+
+def _print_profile(run: Callable[[], object], batch: int) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            run()
+        torch.cuda.synchronize()
+    print(f"profile, batch {batch}, 3 steps:")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
 
 
 def graph_decode_rows(
@@ -249,6 +265,8 @@ def graph_decode_rows(
             run()
         torch.cuda.synchronize()
         step_ms = statistics.median(cuda_time_ms(run, args.steps))
+        if args.profile:
+            _print_profile(run, batch)
         rows.append(
             Row(batch, step_ms, batch * 1e3 / step_ms, weight_bytes / (step_ms * 1e-3) / COPY_BANDWIDTH)
         )
