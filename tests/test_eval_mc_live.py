@@ -1,0 +1,95 @@
+"""eval-mc end to end against a real server (TP 2, CPU, tiny model): a run killed mid-way and
+resumed loses and duplicates no sample; the torn last line of the checkpoint is repaired."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from live_server import MODEL_NAME, REPO, live_server
+
+from tools.cli import main as phalanx
+from tools.evalmc.extract import extract_answer
+
+SUBJECTS = {"geography": 8, "arithmetic": 6, "colours": 4}
+
+
+@pytest.fixture(scope="module")
+def base_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with live_server(tiny_model_dir, tmp_path_factory.mktemp("server") / "server.log") as url:
+        yield url + "/v1"
+
+
+def _dataset(path: Path) -> Path:
+    rows = [
+        {
+            "id": f"{subject}-{i}",
+            "subject": subject,
+            "question": f"Question {i} about {subject}: which option is right?",
+            "options": ["one", "two", "three", "four"],
+            "answer": "ABCD"[i % 4],
+        }
+        for subject, n in SUBJECTS.items()
+        for i in range(n)
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _argv(base_url: str, data: Path, out: Path) -> list[str]:
+    return [
+        "eval-mc", "--bench", "mmlu_redux", "--data", str(data), "--out", str(out), "--base-url", base_url,
+        "--max-tokens", "6", "--temperature", "0", "--concurrency", "2", "--sample", "15",
+    ]  # fmt: skip
+
+
+def test_killed_run_resumes_without_losing_or_duplicating(base_url: str, tmp_path: Path) -> None:
+    data, out = _dataset(tmp_path / "mc.jsonl"), tmp_path / "out"
+    partial = out / "mmlu_redux_samples.partial.jsonl"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tools", *_argv(base_url, data, out)[0:], "--model", MODEL_NAME],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 60
+    while not (partial.exists() and len(partial.read_text().splitlines()) >= 4):
+        assert process.poll() is None, "eval-mc finished before it could be killed"
+        assert time.monotonic() < deadline, "eval-mc made no progress"
+        time.sleep(0.05)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    done_before = [json.loads(line)["idx"] for line in partial.read_text().splitlines()]
+    assert 4 <= len(done_before) < 15
+    with partial.open("a") as f:
+        f.write('{"idx": 14, "content": "Answer: B", "tor')  # a write cut by the kill
+
+    assert phalanx(_argv(base_url, data, out)) == 0
+    summary = json.loads((out / "mmlu_redux_summary.json").read_text())
+    samples = json.loads((out / "mmlu_redux_samples.json").read_text())
+    assert summary["n"] == 15 and summary["recovered_samples"] == len(done_before)
+    assert [s["idx"] for s in samples] == list(range(15))
+    rows = [json.loads(line) for line in partial.read_text().splitlines()]
+    assert sorted(r["idx"] for r in rows) == list(range(15))  # the torn line is gone, nothing twice
+    assert Counter(s["subject"] for s in samples) == {"geography": 7, "arithmetic": 5, "colours": 3}
+    assert summary["correct"] == sum(s["correct"] for s in samples)
+    for s in samples:
+        assert s["error"] is None and s["completion_tokens"] >= 1
+        assert s["pred"] == extract_answer(s["content"], tuple(s["options"]), "ABCD").letter
+
+    # a finished run resumed again asks for nothing and scores the same
+    assert phalanx(_argv(base_url, data, out)) == 0
+    again = json.loads((out / "mmlu_redux_summary.json").read_text())
+    assert (again["recovered_samples"], again["correct"], again["generated_tokens"]) == (
+        15,
+        summary["correct"],
+        0,
+    )
