@@ -7,13 +7,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from structlog.testing import capture_logs
 
 from executor.precapture import sweep_phases
 from models.qwen35 import Qwen35Model
 from models.qwen35.batch import DecodeBatch, PrefillBatch
 from protocol.messages import Capture, Finalize, Launch, Warmup
+from worker import graphs
 from worker.buckets import state_slot_layout
-from worker.graphs import DecodeGraphRunner, GraphError, GraphGeometry, padding_slots
+from worker.graphs import DecodeGraphRunner, GraphError, GraphGeometry, graph_blocker, padding_slots
 
 PAGE_SIZE = 8
 PAGES_PER_REQUEST = 4
@@ -177,6 +179,29 @@ def test_sweep_phases_must_arrive_in_order(tiny_model_dir: Path) -> None:
     assert runner.decode(batch).shape == (1, 512)
     runner.release()
     assert not runner.finalized
+
+
+def test_gate_keeps_decode_eager_and_says_so_once(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert graph_blocker(object(), CPU) == "device cpu has no CUDA graphs"
+    monkeypatch.setattr(graphs, "_GATE_LOGGED", set())
+    model = _load(tiny_model_dir, CPU, torch.float32)
+    geometry = GraphGeometry(
+        max_batch=2,
+        max_pages=2,
+        padding_page=KV_PAGES,
+        spare_slot_base=4,
+        hidden_size=64,
+        dtype=torch.float32,
+    )
+    with capture_logs() as logs:
+        runners = [DecodeGraphRunner(model, geometry, CPU) for _ in range(3)]
+    assert not any(runner.uses_cuda_graphs for runner in runners)
+    gate_lines = [
+        line for line in logs if line["event"].startswith("CUDA graph requested but decode stays eager")
+    ]
+    assert len(gate_lines) == 1 and gate_lines[0]["reason"] == "device cpu has no CUDA graphs"
 
 
 def test_padding_slots_pick_free_decode_slots_then_spare_slots() -> None:

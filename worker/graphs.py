@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import structlog
 import torch
+import torch.distributed as dist
 
 from models.qwen35 import DecodeBatch
 from protocol.messages import Ack, Capacity, Capture, Finalize, Launch, Precapture, PrecapturePhase, Warmup
@@ -76,6 +77,11 @@ def graph_blocker(model: object, device: torch.device) -> str | None:
         return f"device {device.type} has no CUDA graphs"
     if not torch.cuda.is_available():
         return "CUDA is not available in this process"
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        backend = dist.get_backend()
+        if backend != "nccl":
+            return f"collectives over {backend} cannot be captured in a CUDA graph"
+    # A model whose decode kernels cannot be captured for its geometry says why here.
     model_reason = getattr(model, "decode_graph_blocker", None)
     if callable(model_reason):
         reason = model_reason()
@@ -186,8 +192,6 @@ class DecodeGraphRunner:
         started = time.perf_counter()
         for bucket in self.buckets:
             if self.geometry.world_size > 1:
-                import torch.distributed as dist
-
                 probe = torch.zeros(
                     bucket, self.geometry.hidden_size, dtype=self.geometry.dtype, device=self.device
                 )
