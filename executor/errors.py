@@ -29,6 +29,8 @@ class StartupError(ExecutorError):
         super().__init__(message)
         self.rank = rank
         self.phase = phase
+        # Each spawned rank's exit code once every rank was stopped (None: not spawned here).
+        self.exit_codes: dict[int, int | None] = {}
 
 
 class ResponseError(ExecutorError):

@@ -3,14 +3,15 @@ while watching every rank for death (process sentinels for spawned ranks, heartb
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import structlog
 import zmq
 
 from executor.ranks import RankHandle
-from protocol import ProtocolError, decode_reply
-from protocol.messages import Heartbeat, ReplyEnvelope
+from protocol import PROTOCOL_VERSION, ProtocolError, decode_reply, encode
+from protocol.messages import Cancel, Envelope, Heartbeat, ReplyEnvelope
 from protocol.trace import TraceWriter
 from protocol.transport import CoordinatorSocket
 
@@ -18,6 +19,8 @@ log = structlog.get_logger("phalanx.executor")
 
 # Longest single wait, so heartbeat silence is checked at least this often.
 POLL_SLICE_S = 0.2
+# How long a rank's exit may precede its last frame (its Failed reply) on the socket.
+LAST_FRAME_GRACE_S = 0.1
 
 
 class DispatchError(Exception):
@@ -65,7 +68,10 @@ class RankLink:
         """Replies that arrive within ``min(timeout_s, POLL_SLICE_S)`` (heartbeats only update
         liveness). Frames that fail decoding or carry a foreign epoch are dropped and counted.
         During startup a rank that does not know the epoch yet may send epoch 0."""
-        self._poller.poll(max(0.0, min(timeout_s, POLL_SLICE_S)) * 1000)
+        events = dict(self._poller.poll(max(0.0, min(timeout_s, POLL_SLICE_S)) * 1000))
+        if any(rank.sentinel in events for rank in self.ranks):
+            # A rank exited: a failing rank sends Failed first, so give its last frame time to land.
+            time.sleep(LAST_FRAME_GRACE_S)
         received: list[tuple[bytes, ReplyEnvelope]] = []
         while self.sock.socket.poll(0):
             try:
@@ -107,8 +113,14 @@ class RankLink:
             rank.join(max(0.0, deadline - time.monotonic()))
         self.kill_all()
 
-    def kill_all(self) -> None:
+    def kill_all(self, reason: str = "", epoch: int = 0) -> None:
+        """Kill and reap every local rank; tell remote ranks (which cannot be killed from here)
+        to leave with Cancel."""
         for rank in self.ranks:
+            if not rank.local and rank.identity is not None and reason:
+                cancel = encode(Envelope(PROTOCOL_VERSION, epoch, 0, Cancel(reason)))
+                with contextlib.suppress(zmq.ZMQError):
+                    self.sock.send(rank.identity, cancel)
             rank.kill()
         for rank in self.ranks:
             if not rank.join(10.0):

@@ -152,7 +152,7 @@ class Executor:
 
     def _fail(self, reason: str) -> NoReturn:
         error = self._poison.set(reason)
-        self._link.kill_all()
+        self._link.kill_all(error.reason, self.epoch)
         raise error
 
     def _validated(self, validate: Callable[[], T]) -> T:

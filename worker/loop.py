@@ -18,6 +18,7 @@ import structlog
 from protocol import PROTOCOL_VERSION, ProtocolError, decode_envelope, encode
 from protocol.messages import (
     Ack,
+    Cancel,
     Decode,
     DecodeDone,
     DropAck,
@@ -53,6 +54,7 @@ OP_NAMES: dict[type, str] = {
 
 EXIT_OK = 0
 EXIT_POISONED = 1
+EXIT_CANCELLED = 3
 
 
 class CommandLoop:
@@ -126,6 +128,10 @@ class CommandLoop:
                     "frame rejected", reason=exc.reason, detail=exc.detail, rejected=self.rejected_frames
                 )
                 continue
+            if isinstance(envelope.body, Cancel):
+                # The coordinator gave up on this replica (poison elsewhere): leave without a reply.
+                log.warning("cancelled by the coordinator", reason=envelope.body.reason)
+                return EXIT_CANCELLED
             if envelope.seq <= self.last_seq:
                 self.rejected_frames += 1
                 log.warning("stale command rejected", command_seq=envelope.seq, last_seq=self.last_seq)
