@@ -1,0 +1,89 @@
+"""Ranks started separately, as torchrun would start them (``phalanx worker`` with RANK,
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), join a coordinator over TCP and serve; a
+rank that dies is noticed through its missing heartbeats, and the survivor is told to leave."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from executor.errors import ExecutorPoisoned
+from executor.launcher import launch_executor
+from protocol.messages import Expectation
+from tests.runtime_helpers import chunk, reference_generation, row, small_config
+
+REPO = Path(__file__).resolve().parent.parent
+PROMPT = [9, 99, 199, 299]
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _start_rank(rank: int, model_dir: Path, coordinator: str, master_port: int) -> subprocess.Popen:
+    env = dict(
+        os.environ,
+        RANK=str(rank),
+        WORLD_SIZE="2",
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(master_port),
+    )
+    env.pop("PHALANX_TEST_FAULT", None)
+    command = [
+        sys.executable,
+        "-m",
+        "tools",
+        "worker",
+        "--model",
+        str(model_dir),
+        "--coordinator",
+        coordinator,
+    ]
+    command += ["--device", "cpu", "--kv-pages", "32", "--page-size", "4", "--max-slots", "4"]
+    command += ["--max-batch-tokens", "128", "--heartbeat-interval", "0.3", "--log-level", "warning"]
+    return subprocess.Popen(command, env=env, cwd=REPO)
+
+
+def test_torchrun_style_ranks_join_over_tcp_and_serve(tiny_model_dir: Path) -> None:
+    port = _free_port()
+    coordinator = f"tcp://127.0.0.1:{port}"
+    master_port = _free_port()
+    ranks = [_start_rank(rank, tiny_model_dir, coordinator, master_port) for rank in range(2)]
+    ex = None
+    try:
+        ex = launch_executor(small_config(tiny_model_dir, 2, transport="tcp", attach=True, port=port))
+        assert ex.rank_pids == [None, None]  # not ours to kill: watched through heartbeats
+        want = reference_generation(tiny_model_dir, PROMPT, 2)
+        (first,) = ex.prefill([chunk(1, 0, PROMPT, 0, True)]).results
+        (second,) = ex.decode([row(1, 0, 0, first.token, len(PROMPT))]).results
+        assert [first.token, second.token] == [r.token for r in want]
+        assert second.logprob == pytest.approx(want[1].logprob, abs=1e-4)
+        ex.drop(1, Expectation.MUST_EXIST)
+
+        ranks[1].send_signal(signal.SIGKILL)
+        ranks[1].wait(10)
+        killed_at = time.monotonic()
+        with pytest.raises(ExecutorPoisoned, match="rank 1"):
+            while True:  # an idle executor notices at its next call
+                ex.ping()
+                time.sleep(0.1)
+        assert time.monotonic() - killed_at < 2.5
+        # The survivor was told to leave (Cancel) and exits non-zero on its own.
+        assert ranks[0].wait(10) == 3
+    finally:
+        if ex is not None:
+            ex.shutdown()
+        for process in ranks:
+            if process.poll() is None:
+                process.kill()
+                process.wait(10)
