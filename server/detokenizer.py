@@ -10,9 +10,29 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, decoders
 
 _PARTIAL = "\ufffd"
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: each byte is written as one printable character."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    chars, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[chr(byte)] = byte
+        else:
+            chars[chr(256 + extra)] = byte
+            extra += 1
+    return chars
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()
 
 
 class TextTokenizer:
@@ -25,6 +45,8 @@ class TextTokenizer:
     def __init__(self, tokenizer: Tokenizer, special_ids: frozenset[int]) -> None:
         self.tokenizer = tokenizer
         self.special_ids = special_ids
+        self._added_ids = frozenset(tokenizer.get_added_tokens_decoder())
+        self._byte_level = isinstance(tokenizer.decoder, decoders.ByteLevel)
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> TextTokenizer:
@@ -45,9 +67,27 @@ class TextTokenizer:
         """Text of ``ids`` without special tokens."""
         return self.tokenizer.decode([i for i in ids if i not in self.special_ids], skip_special_tokens=False)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's own bytes, special tokens included (for logprobs).
+
+        A byte-level BPE token may hold part of a UTF-8 character, so its bytes come from the
+        byte alphabet, not from decoding it alone. An id past the tokenizer's vocabulary (the
+        model's padded rows) has no bytes.
+        """
+        piece = self.tokenizer.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if self._byte_level and token_id not in self._added_ids and all(ch in _BYTE_OF_CHAR for ch in piece):
+            return bytes(_BYTE_OF_CHAR[ch] for ch in piece)
+        return self.tokenizer.decode([token_id], skip_special_tokens=False).encode("utf-8")
+
     def token_text(self, token_id: int) -> str:
-        """One token's own text, special tokens included (for logprobs)."""
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        """One token's text; a token that is not whole UTF-8 is written as OpenAI does, ``bytes:\\xNN``."""
+        raw = self.token_bytes(token_id)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
 
 class IncrementalDetokenizer:

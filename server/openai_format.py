@@ -123,8 +123,8 @@ class ChatFormat(_Response):
             return None
 
         def entry(token_id: int, logprob: float | None) -> dict[str, Any]:
-            text = self.tokenizer.token_text(token_id)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+            raw = self.tokenizer.token_bytes(token_id)
+            return {"token": self.tokenizer.token_text(token_id), "logprob": logprob, "bytes": list(raw)}
 
         return {
             "content": [
@@ -172,7 +172,7 @@ class ChatFormat(_Response):
         async for item in generation:
             if isinstance(item, Chunk):
                 delta = self._delta(*splitter.push(item.text))
-                if delta or item.tokens and self.want_logprobs:
+                if delta or (item.tokens and self.want_logprobs):
                     yield self._chunk(delta, self._logprobs(item.tokens))
                 continue
             yield self._chunk(self._delta(*splitter.flush()), finish=item.finish_reason)

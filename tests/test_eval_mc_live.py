@@ -55,7 +55,7 @@ def test_killed_run_resumes_without_losing_or_duplicating(base_url: str, tmp_pat
     data, out = _dataset(tmp_path / "mc.jsonl"), tmp_path / "out"
     partial = out / "mmlu_redux_samples.partial.jsonl"
     process = subprocess.Popen(
-        [sys.executable, "-m", "tools", *_argv(base_url, data, out)[0:], "--model", MODEL_NAME],
+        [sys.executable, "-m", "tools", *_argv(base_url, data, out), "--model", MODEL_NAME],
         cwd=REPO,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -65,8 +65,12 @@ def test_chat_stream_and_not(client: openai.OpenAI) -> None:
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Hello, how are you?"},
     ]
-    full = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=5, **GREEDY)
+    full = client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, max_tokens=5, logprobs=True, top_logprobs=2, **GREEDY
+    )
     assert full.choices[0].message.role == "assistant"
+    entries = full.choices[0].logprobs.content
+    assert len(entries) == 5 and all(math.isfinite(e.logprob) and len(e.top_logprobs) == 2 for e in entries)
     assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 5
     stream = client.chat.completions.create(
         model=MODEL_NAME,

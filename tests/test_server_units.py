@@ -116,6 +116,17 @@ def test_incremental_detokenizer_matches_full_decode(tiny_model_dir: Path) -> No
     assert "<|im_end|>" not in tokenizer.decode([*ids, im_end])
 
 
+def test_token_bytes_for_logprobs(tiny_model_dir: Path) -> None:
+    tokenizer = TextTokenizer.from_model_dir(tiny_model_dir)
+    text = "héllo 世界 the"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert b"".join(tokenizer.token_bytes(i) for i in ids) == text.encode("utf-8")
+    shown = [tokenizer.token_text(i) for i in ids]
+    assert any(s.startswith("bytes:\\x") for s in shown)  # a token holding part of a character
+    assert tokenizer.token_text(tokenizer.tokenizer.token_to_id("<|im_end|>")) == "<|im_end|>"
+    assert tokenizer.token_bytes(500) == b""  # a padded vocabulary row: no text
+
+
 @pytest.mark.parametrize("step", [1, 2, 3, 7])
 def test_stop_matcher_across_deltas(step: int) -> None:
     text = "alpha beta STOP gamma"
