@@ -22,8 +22,9 @@ and sweep eagerly ("eager static-buffer" mode), and says so once in the log.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 
 import structlog
@@ -155,6 +156,7 @@ class DecodeGraphRunner:
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
         self._pool: tuple[int, int] | None = None
+        self._capture_stream = torch.cuda.Stream(self.device) if self.uses_cuda_graphs else None
         # Set after each step's host-to-device copies: pinned staging is reused only once they ran.
         self._staged: torch.cuda.Event | None = None
         self._warmed = False
@@ -191,13 +193,14 @@ class DecodeGraphRunner:
     def _warmup(self) -> None:
         started = time.perf_counter()
         for bucket in self.buckets:
-            if self.geometry.world_size > 1:
-                probe = torch.zeros(
-                    bucket, self.geometry.hidden_size, dtype=self.geometry.dtype, device=self.device
-                )
-                dist.all_reduce(probe)
             self._stage_padding_only(bucket)
-            self._eager(bucket)
+            with self._on_capture_stream():
+                if self.geometry.world_size > 1:
+                    probe = torch.zeros(
+                        bucket, self.geometry.hidden_size, dtype=self.geometry.dtype, device=self.device
+                    )
+                    dist.all_reduce(probe)
+                self._eager(bucket)
         self._synchronize()
         self._warmed = True
         log.info(
@@ -221,7 +224,9 @@ class DecodeGraphRunner:
             graph = torch.cuda.CUDAGraph()
             batch = self._static_batch(bucket, pages=self.geometry.max_pages)
             # torch.cuda.graph records and instantiates; it does not launch (Launch does).
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            with torch.cuda.graph(
+                graph, pool=self._pool, stream=self._capture_stream, capture_error_mode="thread_local"
+            ):
                 output = self.model.decode(batch)
             self._graphs[bucket] = graph
             self._outputs[bucket] = output
@@ -354,6 +359,18 @@ class DecodeGraphRunner:
         width = self.geometry.max_pages if self.uses_cuda_graphs else pages
         self.eager_steps += 1
         return self.model.decode(self._static_batch(bucket, pages=width))
+
+    @contextlib.contextmanager
+    def _on_capture_stream(self) -> Iterator[None]:
+        """Run on the stream graphs are captured on, so lazily created per-stream state (GEMM
+        workspaces, autotuning) exists before capture, ordered after the staged inputs."""
+        if self._capture_stream is None:
+            yield
+            return
+        self._capture_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._capture_stream):
+            yield
+        torch.cuda.current_stream(self.device).wait_stream(self._capture_stream)
 
     def _synchronize(self) -> None:
         if self.device.type == "cuda":
