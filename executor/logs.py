@@ -10,6 +10,14 @@ import structlog
 _configured = False
 
 
+def _defaults(_logger: object, _name: str, event: dict) -> dict:
+    """Lines from threads that never bound a step still carry the three keys."""
+    event.setdefault("rank", "coordinator")
+    event.setdefault("epoch", None)
+    event.setdefault("seq", None)
+    return event
+
+
 def configure_logging(level: str = "info") -> None:
     """Install the key=value renderer once; later calls keep the first configuration."""
     global _configured
@@ -18,6 +26,7 @@ def configure_logging(level: str = "info") -> None:
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            _defaults,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso"),
             structlog.processors.KeyValueRenderer(

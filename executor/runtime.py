@@ -83,6 +83,11 @@ class Executor:
         return self._link.sock.address
 
     @property
+    def rank_exit_codes(self) -> list[int | None]:
+        """Exit code of each spawned rank (None while running, or for a rank not spawned here)."""
+        return [rank.exitcode for rank in self._link.ranks]
+
+    @property
     def rank_pids(self) -> list[int | None]:
         return [rank.process.pid if rank.process is not None else None for rank in self._link.ranks]
 

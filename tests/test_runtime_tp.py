@@ -98,6 +98,7 @@ def test_runtime_matches_in_process_model(tp: int, tp2: Executor, tiny_model_dir
     with launch_executor(small_config(tiny_model_dir, tp)) as ex:
         assert ex.world_size == tp
         _assert_matches(_serve_scenario(ex, 0), references, 0)
+    assert ex.rank_exit_codes == [0] * tp  # bounded shutdown: every rank acknowledged and left
 
 
 def test_drop_expectations_of_unknown_request(tp2: Executor) -> None:

@@ -6,6 +6,7 @@ teardown handlers that take the same wedged locks, so expiry logs and calls ``os
 
 from __future__ import annotations
 
+import contextvars
 import os
 import sys
 import threading
@@ -22,7 +23,11 @@ class Watchdog:
         self.rank = rank
         self.phase = phase
         self._done = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name=f"phalanx-watchdog-{phase}", daemon=True)
+        # Run with the creating thread's log context, so the last line still carries rank/epoch/seq.
+        context = contextvars.copy_context()
+        self._thread = threading.Thread(
+            target=context.run, args=(self._watch,), name=f"phalanx-watchdog-{phase}", daemon=True
+        )
 
     def _watch(self) -> None:
         if self._done.wait(self.timeout_s):
