@@ -32,7 +32,12 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     )
 
 
-def create_app(engine: Engine, model_dir: str | Path, served_model_name: str | None = None) -> FastAPI:
+def create_app(
+    engine: Engine,
+    model_dir: str | Path,
+    served_model_name: str | None = None,
+    default_max_tokens: int | None = None,
+) -> FastAPI:
     model_dir = Path(model_dir)
     try:
         template: ChatTemplate | None = ChatTemplate.from_model_dir(model_dir)
@@ -47,6 +52,7 @@ def create_app(engine: Engine, model_dir: str | Path, served_model_name: str | N
         template=template,
         metrics=metrics,
         model_name=served_model_name or model_dir.name,
+        default_max_tokens=default_max_tokens,
     )
     app.include_router(router)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
@@ -34,6 +34,21 @@ class SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=1, description="one choice per request")
+    # accepted only at their neutral values: silently ignoring them would change results unseen
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] | None = None
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> SamplingRequest:
+        neutral = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+        for name, value in neutral.items():
+            if getattr(self, name) != value:
+                raise ValueError(f"{name} is not supported (only {value})")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+        return self
 
     @field_validator("stop")
     @classmethod

@@ -22,6 +22,7 @@ class ServerState:
     template: ChatTemplate | None
     metrics: ServerMetrics
     model_name: str
+    default_max_tokens: int | None = None  # None: whatever the context leaves (OpenAI's chat default)
 
     @property
     def max_context(self) -> int:
@@ -68,7 +69,9 @@ class ServerState:
                 param="prompt",
                 code="context_length_exceeded",
             )
-        max_tokens = max_tokens if max_tokens is not None else context - len(prompt_ids)
+        if max_tokens is None:
+            room = context - len(prompt_ids)
+            max_tokens = room if self.default_max_tokens is None else min(room, self.default_max_tokens)
         if len(prompt_ids) + max_tokens > context:
             raise bad_request(
                 f"This model's maximum context length is {context} tokens. However, you requested"

@@ -17,7 +17,8 @@ from live_server import MODEL_NAME, live_server, metric, wait_for_metric
 
 @pytest.fixture(scope="module")
 def base_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with live_server(tiny_model_dir, tmp_path_factory.mktemp("server") / "server.log") as url:
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    with live_server(tiny_model_dir, log, "--default-max-tokens", "20") as url:
         yield url
 
 
@@ -88,6 +89,13 @@ def test_chat_stream_and_not(client: openai.OpenAI) -> None:
     assert (
         chunks[-1].usage.completion_tokens == 5 and chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
     )
+
+
+def test_chat_without_max_tokens_uses_the_server_default(client: openai.OpenAI) -> None:
+    out = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], **GREEDY
+    )
+    assert out.usage.completion_tokens == 20 and out.choices[0].finish_reason == "length"
 
 
 def test_sse_ends_with_done(base_url: str) -> None:
@@ -167,6 +175,8 @@ def test_eight_concurrent_streams(base_url: str) -> None:
         ),
         ("/v1/completions", {"model": "tiny", "prompt": [1, 999999]}, "outside the vocabulary"),
         ("/v1/completions", {"model": "tiny", "prompt": "hi", "temperature": -1}, "temperature"),
+        ("/v1/completions", {"model": "tiny", "prompt": "hi", "frequency_penalty": 0.5}, "not supported"),
+        ("/v1/completions", {"model": "tiny", "prompt": "hi", "n": 2}, "n"),
         ("/v1/chat/completions", {"model": "tiny", "messages": []}, "messages"),
         ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}, "role"),
     ],

@@ -45,6 +45,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     parser.add_argument("--max-batch-tokens", type=int, default=2048, help="tokens of one prefill step")
+    parser.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=None,
+        help="max_tokens of a chat request that names none (default: the rest of the context)",
+    )
     parser.add_argument("--step-timeout", type=float, default=300.0, help="seconds one engine step may take")
     parser.add_argument("--log-level", default="warning", help="uvicorn's access/error log level")
 
@@ -100,8 +106,14 @@ def run(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"phalanx serve: error: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 2
-    with sock, Engine.start(config) as engine:
-        app = create_app(engine, model_dir, name)
+    try:
+        engine = Engine.start(config)
+    except (ValueError, RuntimeError, OSError) as e:
+        sock.close()
+        print(f"phalanx serve: error: the replica did not start: {e}", file=sys.stderr)
+        return 1
+    with sock, engine:
+        app = create_app(engine, model_dir, name, args.default_max_tokens)
         model = app.state.phalanx.model_name
         host, port = sock.getsockname()[:2]
         base = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
