@@ -17,16 +17,16 @@ def conv_decode_channels(x_row_ptr, w_ptr, state_row_ptr, ch, mask, K: tl.conste
     Shared with the fused GDN decode step, which calls it per head."""
     x = tl.load(x_row_ptr + ch, mask=mask, other=0.0)
     acc = tl.load(w_ptr + ch * K + (K - 1), mask=mask, other=0.0).to(tl.float32) * x.to(tl.float32)
-    prev = tl.load(state_row_ptr + ch * (K - 1), mask=mask, other=0.0)
+    # Shift left: column j - 1 takes column j, the newest input lands in the last column. A
+    # channel may be held by several threads (a vector shorter than the program's threads), so a
+    # barrier separates every thread's reads of a column from any thread's write over it.
     for j in tl.static_range(K - 1):
-        acc += tl.load(w_ptr + ch * K + j, mask=mask, other=0.0).to(tl.float32) * prev.to(tl.float32)
-        # Shift left: column j takes column j + 1 (the newest input lands in the last column).
-        if j < K - 2:
-            nxt = tl.load(state_row_ptr + ch * (K - 1) + j + 1, mask=mask, other=0.0)
-            tl.store(state_row_ptr + ch * (K - 1) + j, nxt, mask=mask)
-            prev = nxt
-        else:
-            tl.store(state_row_ptr + ch * (K - 1) + j, x.to(state_row_ptr.dtype.element_ty), mask=mask)
+        cur = tl.load(state_row_ptr + ch * (K - 1) + j, mask=mask, other=0.0)
+        acc += tl.load(w_ptr + ch * K + j, mask=mask, other=0.0).to(tl.float32) * cur.to(tl.float32)
+        tl.debug_barrier()
+        if j > 0:
+            tl.store(state_row_ptr + ch * (K - 1) + j - 1, cur, mask=mask)
+    tl.store(state_row_ptr + ch * (K - 1) + K - 2, x.to(state_row_ptr.dtype.element_ty), mask=mask)
     return acc * tl.sigmoid(acc)
 
 
@@ -165,11 +165,12 @@ def _conv_prefill_state_kernel(
     has_init = (zero + tl.load(init_ptr + i)) != 0
     row = state_ptr + slot * stride_slot + ch * (K - 1)
     # New column j reads old column j + length > j, so ascending order never reads a column it
-    # already overwrote.
+    # already overwrote; the barrier keeps threads that share a channel in step.
     for j in tl.static_range(K - 1):
         local = zero + (length - (K - 1) + j)
         xv = tl.load(x_ptr + (bos + local) * stride_x + ch, mask=c_mask & (local >= 0), other=0.0)
         sv = tl.load(row + (K - 1) + local, mask=c_mask & (local < 0) & has_init, other=0.0)
+        tl.debug_barrier()
         tl.store(row + j, xv.to(state_ptr.dtype.element_ty) + sv, mask=c_mask)
 
 

@@ -36,6 +36,8 @@ def delta_rule_update(s_ptrs, s_mask, q, k, v, g, beta):
     kv = tl.sum(s * k[:, None], axis=0)
     delta = beta * (v - kv)
     s = s + k[:, None] * delta[None, :]
+    # Threads sharing an element must all have read it before any writes it back.
+    tl.debug_barrier()
     tl.store(s_ptrs, s, mask=s_mask)
     return tl.sum(s * q[:, None], axis=0)
 
@@ -238,6 +240,7 @@ def _delta_rule_prefill_kernel(
         s = s + k[:, None] * delta[None, :]
         o = tl.sum(s * q[:, None], axis=0)
         tl.store(o_ptr + (t * HV + h) * DV + dv, o.to(o_ptr.dtype.element_ty), mask=v_mask)
+    tl.debug_barrier()
     tl.store(s_ptrs, s, mask=s_mask)
 
 
@@ -331,10 +334,12 @@ def gated_delta_rule_prefill_triton(
     slots = state_slots.to(device)
     keep = has_initial_state.to(device=device, dtype=torch.bool)
     initial = state.index_select(0, slots) * keep[:, None, None, None]
+    # fp32 operands: with bf16 ones fla's WY intermediates are bf16 and the final state drifts
+    # ~2e-3 from the fp32 recurrence; in fp32 (tf32 products) it stays within 1e-3.
     o, final = chunk_kernel(
-        q.unsqueeze(0),
-        k.unsqueeze(0),
-        v.unsqueeze(0),
+        q.unsqueeze(0).float(),
+        k.unsqueeze(0).float(),
+        v.unsqueeze(0).float(),
         g.unsqueeze(0),
         beta.unsqueeze(0),
         scale=dk**-0.5,

@@ -42,9 +42,10 @@ def test_tiny_logits_match_fp32_reference_within_bf16(tiny_model_dir: Path) -> N
     from models.qwen35 import PrefillBatch, Qwen35Model
 
     prompt = prompt_ids(100)
-    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    # On the GPU: with fla-core installed, transformers runs its kernels, which need CUDA tensors.
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).to(DEV).eval()
     with torch.no_grad():
-        ref = hf(input_ids=torch.tensor([prompt])).logits[0]
+        ref = hf(input_ids=torch.tensor([prompt], device=DEV)).logits[0].cpu()
     model = Qwen35Model.load(tiny_model_dir, device=DEV, dtype=torch.bfloat16)
     model.allocate_cache(16, PAGE_SIZE, 2)
     # Two chunks: the second continues the first's KV, conv and recurrent state.

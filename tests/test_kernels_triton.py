@@ -250,7 +250,9 @@ CHECKS: dict[str, Callable[[], dict[str, float]]] = {
     name.removeprefix("check_"): fn for name, fn in list(globals().items()) if name.startswith("check_")
 }
 # bf16 outputs: relative error within bf16 rounding; fp32 state much tighter.
-TOLERANCE = {"state": 1e-3, "g": 1e-5, "beta": 1e-5, "h_is_x": 0.5}
+# The fused step's bf16 run rounds four intermediates; the interpreter rounds to bf16 by
+# truncation (torch rounds to nearest), so its chain drifts further than on a GPU.
+TOLERANCE = {"state": 1e-3, "g": 1e-5, "beta": 1e-5, "h_is_x": 0.5, "y_bf16": 2e-2}
 DEFAULT_TOLERANCE = 1e-2
 
 
