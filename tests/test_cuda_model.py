@@ -72,7 +72,9 @@ def test_tiny_greedy_tokens_match_transformers_bf16(tiny_model_dir: Path) -> Non
     hf.generation_config.pad_token_id = 0
     ids = torch.tensor([prompt], device=DEV)
     with torch.no_grad():
-        out = hf.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, attention_mask=torch.ones_like(ids))
+        out = hf.generate(
+            ids, max_new_tokens=NEW_TOKENS, do_sample=False, attention_mask=torch.ones_like(ids)
+        )
     expected = out[0, len(prompt) :].tolist()
     model = Qwen35Model.load(tiny_model_dir, device=DEV, dtype=torch.bfloat16)
     tokens, _ = greedy(model, prompt, NEW_TOKENS)
@@ -87,3 +89,19 @@ def test_4b_geometry_random_weights_generates() -> None:
     tokens, logits = greedy(model, prompt_ids(200, seed=2), 16)
     assert len(tokens) == 16 and all(0 <= t < model.config.vocab_size for t in tokens)
     assert all(torch.isfinite(step).all() for step in logits)
+
+
+def test_engine_on_cuda_generates_the_model_greedy_tokens(tiny_model_dir: Path) -> None:
+    """The whole runtime (executor + one worker process) on CUDA: its greedy stream equals the
+    model's own greedy decode on the same GPU."""
+    from executor.engine import Engine, EngineConfig, GenerationParams, TokenEvent
+    from models.qwen35 import Qwen35Model
+
+    prompt = prompt_ids(40, seed=3)
+    model = Qwen35Model.load(tiny_model_dir, device=DEV, dtype=torch.bfloat16)
+    expected, _ = greedy(model, prompt, 32)
+    config = EngineConfig(model_dir=tiny_model_dir, tp=1, device="cuda", kv_pages=64)
+    with Engine.start(config) as engine:
+        events = list(engine.submit(prompt, GenerationParams(max_tokens=32, ignore_eos=True)))
+    tokens = [e.token_id for e in events if isinstance(e, TokenEvent)]
+    assert tokens == expected
