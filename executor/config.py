@@ -36,6 +36,13 @@ class ExecutorConfig:
             raise ValueError(f"transport must be 'ipc' or 'tcp', got {self.transport!r}")
         if self.attach and self.transport != "tcp":
             raise ValueError("attached ranks (started by torchrun/SLURM) need transport 'tcp'")
+        for name in ("page_size", "max_slots", "max_batch_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.kv_pages < 0 or (self.kv_pages == 0 and self.device != "cuda"):
+            raise ValueError(
+                f"kv_pages must be positive (0 means 'as many as fit' on cuda only), got {self.kv_pages}"
+            )
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         for name in (
