@@ -106,6 +106,19 @@ class RankLink:
                 return rank
         return None
 
+    def killed_peer(self, failed_rank: int) -> RankHandle | None:
+        """A local rank other than ``failed_rank`` killed by a signal, waiting up to
+        LAST_FRAME_GRACE_S for its exit to show. A rank whose peer was killed mid-collective fails
+        too (connection reset); the killed peer, which could report nothing, is the cause."""
+        deadline = time.monotonic() + LAST_FRAME_GRACE_S
+        while True:
+            for rank in self.ranks:
+                if rank.rank != failed_rank and rank.local and (rank.exitcode or 0) < 0:
+                    return rank
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.01)
+
     def stop_all(self, grace_s: float) -> None:
         """Give local ranks ``grace_s`` to exit on their own, then kill and reap them."""
         deadline = time.monotonic() + grace_s

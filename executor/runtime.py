@@ -190,7 +190,8 @@ class Executor:
                 for _identity, reply in self._link.wait(remaining, self.epoch):
                     collection.offer(reply)
             except RankFailed as exc:
-                self._fail(str(exc))
+                killed = self._link.killed_peer(exc.rank)
+                self._fail(str(exc) if killed is None else f"{killed.death(0.0)} during {op}")
             if not collection.done:
                 dead = self._link.first_death()
                 if dead is not None:

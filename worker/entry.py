@@ -17,6 +17,16 @@ def _exit_when_orphaned(parent_pid: int) -> None:
             os._exit(4)
 
 
+def _deliver_last_frames(timeout_s: float = 2.0) -> None:
+    """Let ZeroMQ send what is queued (a final Failed or Ack) before ``os._exit`` skips it;
+    bounded, since a socket left open would make the context wait forever."""
+    import zmq
+
+    closer = threading.Thread(target=zmq.Context.instance().term, daemon=True)
+    closer.start()
+    closer.join(timeout_s)
+
+
 def spawn_main(config_json: bytes) -> None:
     """Run one rank and leave with its exit code, skipping interpreter teardown: a peer wedged
     in a collective must not be able to hang our exit."""
@@ -25,6 +35,7 @@ def spawn_main(config_json: bytes) -> None:
     from worker.main import run_worker
 
     code = run_worker(decode_config(config_json))
+    _deliver_last_frames()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
