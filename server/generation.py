@@ -9,6 +9,7 @@ pages.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -59,6 +60,9 @@ class Generation:
         self._stops = StopMatcher(stops)
         # raises ValueError (bad input) or RuntimeError (engine closed) before anything is queued
         self._stream: RequestStream = engine.submit(prompt_ids, params)
+        # a response that is dropped before it ever reads the stream (the client left before the
+        # first byte) must still free the request's slot and pages
+        self._cancel_if_dropped = weakref.finalize(self, engine.cancel, self._stream.request_id)
 
     @property
     def request_id(self) -> int:
@@ -75,24 +79,28 @@ class Generation:
                     yield Chunk(text, [TokenInfo(event.token_id, event.logprob, event.top_logprobs)])
                     if self._stops.stopped:
                         self._engine.cancel(self.request_id)
-                        ended = True
+                        ended = self._ended()
                         yield self._done(timing, "stop")
                         return
                 elif isinstance(event, FinishEvent):
-                    ended = True
+                    ended = self._ended()
                     tail = self._stops.push(self._detokenizer.flush()) + self._stops.flush()
                     if tail:
                         yield Chunk(tail)
                     yield self._done(timing, "stop" if self._stops.stopped else event.reason)
                     return
                 elif isinstance(event, ErrorEvent):
-                    ended = True
+                    ended = self._ended()
                     self._metrics.finished("error")
                     raise GenerationError(event.message)
         finally:
             if not ended:  # the consumer left early: a client disconnect or a cancelled task
                 self._engine.cancel(self.request_id)
                 self._metrics.finished("cancelled")
+
+    def _ended(self) -> bool:
+        self._cancel_if_dropped.detach()
+        return True
 
     def _done(self, timing: _Timing, reason: str) -> Done:
         self._metrics.finished(reason, timing.ttft, timing.tpot, self._prompt_tokens, timing.count)

@@ -3,22 +3,27 @@ detokenizer, stop strings, reasoning split, and /health once the engine is poiso
 
 from __future__ import annotations
 
+import gc
 import json
 import shutil
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from fake_ranks import FakeRanks
 from fastapi.testclient import TestClient
 
-from executor.engine import Engine
+from executor.engine import Engine, GenerationParams
 from executor.errors import ExecutorPoisoned
 from executor.model_info import ModelInfo
 from protocol.messages import Capacity
 from server.app import create_app
 from server.chat_template import ChatTemplate, ChatTemplateError
 from server.detokenizer import IncrementalDetokenizer, StopMatcher, TextTokenizer
+from server.generation import Generation
+from server.metrics import ServerMetrics
 from server.reasoning import ReasoningSplitter
 
 # A Qwen-style template: system prompt first, tool messages, reasoning kept only in the last
@@ -163,8 +168,10 @@ class PoisonableRanks(FakeRanks):
         )
         self.poison_reason: str | None = None
         self.fail = threading.Event()
+        self.decode_delay_s = 0.0
 
     def decode(self, rows):  # type: ignore[no-untyped-def]
+        time.sleep(self.decode_delay_s)
         if self.fail.is_set():
             self.poison_reason = "rank 1 failed during decode: injected"
             raise ExecutorPoisoned(self.poison_reason)
@@ -192,3 +199,28 @@ def test_health_is_503_once_poisoned(tiny_model_dir: Path) -> None:
             assert "phalanx_engine_poisoned 1.0" in http.get("/metrics").text
     finally:
         engine.shutdown()
+
+
+def test_a_generation_dropped_before_it_is_read_is_cancelled(tiny_model_dir: Path) -> None:
+    ranks = PoisonableRanks()
+    ranks.decode_delay_s = 0.02  # 400 tokens would take 8 s
+    engine = Engine(ranks, tiny_model_dir)
+    try:
+        metrics = ServerMetrics(engine.stats, lambda: False)
+        tokenizer = TextTokenizer.from_model_dir(tiny_model_dir)
+        params = GenerationParams(max_tokens=400, ignore_eos=True)
+        generation = Generation(engine, tokenizer, metrics, [5, 6, 7], params, [])
+        _wait(lambda: engine.stats().slots_used == 1)
+        del generation
+        gc.collect()
+        _wait(lambda: engine.stats().slots_used == 0 and engine.stats().running == 0, timeout_s=3.0)
+        assert engine.stats().kv_pages_used == 0
+    finally:
+        engine.shutdown()
+
+
+def _wait(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
