@@ -36,9 +36,10 @@ EXIT_CANCELLED = 3
 
 
 class StartupFailure(Exception):
-    def __init__(self, phase: str, cause: BaseException) -> None:
+    def __init__(self, phase: str, cause: BaseException, epoch: int) -> None:
         super().__init__(f"{type(cause).__name__}: {cause}")
         self.phase = phase
+        self.epoch = epoch  # the launch's epoch once Go taught it, else the configured one
 
 
 def _device(config: WorkerConfig) -> torch.device:
@@ -115,11 +116,12 @@ def _startup(sock: RankSocket, config: WorkerConfig) -> tuple[StepRunner, int] |
         phase = "startup:capacity"
         local = size_capacity(config.limits, model, device, config.rank, config.cuda_graph)
     except Exception as exc:
-        raise StartupFailure(phase, exc) from exc
+        raise StartupFailure(phase, exc, config.epoch) from exc
     ready = Ready(local, str(device), os.getpid(), socket.gethostname())
     sock.send(encode(ReplyEnvelope(PROTOCOL_VERSION, config.epoch, config.rank, 0, ready)))
     log.info("ready", capacity=local)
 
+    epoch = config.epoch
     try:
         phase = "startup:gate"
         epoch, decision = _wait_for_decision(sock, config)
@@ -142,7 +144,7 @@ def _startup(sock: RankSocket, config: WorkerConfig) -> tuple[StepRunner, int] |
                 model, effective, device, rank=config.rank, world_size=config.world_size
             )
     except Exception as exc:
-        raise StartupFailure(phase, exc) from exc
+        raise StartupFailure(phase, exc, epoch) from exc
     runner = StepRunner(
         model,
         device,
@@ -166,7 +168,7 @@ def run_worker(config: WorkerConfig) -> int:
         except StartupFailure as exc:
             log.error("startup failed", phase=exc.phase, error=str(exc))
             failed = Failed("startup", str(exc), exc.phase, traceback.format_exc())
-            sock.send(encode(ReplyEnvelope(PROTOCOL_VERSION, config.epoch, config.rank, 0, failed)))
+            sock.send(encode(ReplyEnvelope(PROTOCOL_VERSION, exc.epoch, config.rank, 0, failed)))
             return EXIT_POISONED
         if isinstance(started, int):
             return started
