@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -158,3 +159,56 @@ def test_unreadable_trace_is_a_clean_error(tmp_path: Path, capsys: pytest.Captur
     assert phalanx(["replay", "show", str(bad)]) == 2
     assert "is not a phalanx trace" in capsys.readouterr().err
     assert phalanx(["replay", "stats", str(tmp_path / "missing")]) == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# replay run: a real recording (phalanx generate --record) replayed on fresh ranks
+# ---------------------------------------------------------------------------------------------
+
+
+def test_generate_record_then_replay_run_matches(
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    recorded, replayed = tmp_path / "generate.trace", tmp_path / "replay.trace"
+    argv = ["generate", "--model", str(tiny_model_dir), "--tp", "2", "--prompt-ids", "5,6,7,8"]
+    argv += ["--max-tokens", "5", "--ignore-eos", "--kv-pages", "16", "--json", "--record", str(recorded)]
+    assert phalanx(argv) == 0
+    generated = json.loads(capsys.readouterr().out)["token_ids"]
+    trace = read_trace(recorded)
+    assert trace.header.world_size == 2 and trace.header.meta["tp"] == 2
+    primary = [
+        e.message.body for e in trace.replies() if e.rank == 0 and e.op in ("prefill_done", "decode_done")
+    ]
+    assert [t.token for body in primary for t in body.results] == generated
+
+    argv = [
+        "replay",
+        "run",
+        str(recorded),
+        "--model",
+        str(tiny_model_dir),
+        "--tp",
+        "2",
+        "--record",
+        str(replayed),
+    ]
+    assert phalanx(argv) == 0
+    assert (
+        "replayed 6 commands at tp=2: every reply matches" in capsys.readouterr().out
+    )  # prefill, 4 decodes, drop
+    assert phalanx(["replay", "diff", str(recorded), str(replayed)]) == 0
+
+
+def test_replay_comparison_reports_a_changed_token_and_a_lost_failure() -> None:
+    from tools.replay_run import Outcome, compare
+
+    same = [TokenResult(3, 7, -0.25)]
+    assert compare(Outcome(results=same), Outcome(results=[TokenResult(3, 7, -0.25 + 1e-6)])) is None
+    assert compare(Outcome(results=same), Outcome(results=[TokenResult(3, 6, -0.25)])) == (
+        "recorded r3->7(-0.250), replayed r3->6(-0.250)"
+    )
+    assert compare(Outcome(results=same), Outcome(results=[TokenResult(3, 7, -0.5)])) is not None
+    assert compare(Outcome(failure="boom (decode)"), Outcome(results=same)) == (
+        "recorded boom (decode), replayed success"
+    )
+    assert compare(Outcome(), Outcome(failure="x")) is None  # the recording ends before this step

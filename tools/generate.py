@@ -40,6 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="KV pages per rank (default: 512 on cpu, all that fit on cuda)",
     )
     parser.add_argument("--json", action="store_true", help='print {"token_ids", "text", "finish_reason"}')
+    parser.add_argument("--record", help="append every protocol frame to this trace (see phalanx replay)")
 
 
 def parse_prompt_ids(text: str) -> list[int]:
@@ -88,7 +89,12 @@ def _generate(args: argparse.Namespace) -> int:
         )
     kv_pages = args.kv_pages if args.kv_pages is not None else (512 if args.device == "cpu" else 0)
     config = EngineConfig(
-        model_dir=model_dir, tp=args.tp, device=args.device, kv_pages=kv_pages, cuda_graph=args.cuda_graph
+        model_dir=model_dir,
+        tp=args.tp,
+        device=args.device,
+        kv_pages=kv_pages,
+        cuda_graph=args.cuda_graph,
+        executor_options={"record": args.record} if args.record else {},
     )
     with Engine.start(config) as engine:
         events = list(engine.submit(prompt_ids, params))
