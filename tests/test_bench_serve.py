@@ -9,18 +9,17 @@ from pathlib import Path
 from live_server import MODEL_NAME, live_server
 
 from tools import bench_serve
+from tools.cli import main as phalanx
 
 
 def test_bench_serve_against_live_server(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
-    parser = argparse.ArgumentParser()
-    bench_serve.add_arguments(parser)
     with live_server(tiny_model_dir, tmp_path / "server.log") as base_url:
-        argv = ["--base-url", base_url, "--concurrency", "4", "--num-prompts", "8", "--input-len", "24"]
-        assert bench_serve.run(parser.parse_args([*argv, "--output-len", "6", "--out", str(out)])) == 0
+        argv = ["bench", "serve", "--base-url", base_url, "--concurrency", "4", "--num-prompts", "8"]
+        argv += ["--input-len", "24"]
+        assert phalanx([*argv, "--output-len", "6", "--out", str(out)]) == 0
         text_out = tmp_path / "bench_text.json"
-        argv_text = [*argv, "--output-len", "3", "--prompt-kind", "text", "--out", str(text_out)]
-        assert bench_serve.run(parser.parse_args(argv_text)) == 0
+        assert phalanx([*argv, "--output-len", "3", "--prompt-kind", "text", "--out", str(text_out)]) == 0
     result = json.loads(out.read_text())
     assert result["model"] == MODEL_NAME
     assert (result["completed"], result["failed"], result["total_output_tokens"]) == (8, 0, 48)

@@ -19,6 +19,7 @@ from tools.cli import main as phalanx
 from tools.evalmc.checkpoint import repair_jsonl_tail
 from tools.evalmc.data import DatasetError, Item, load_items, stratified_sample
 from tools.evalmc.extract import extract_answer
+from tools.evalmc.recipes import RECIPES, build_prompts
 
 OPTIONS = ("Paris", "London", "New York", "New York City")
 
@@ -82,6 +83,23 @@ def test_dataset_native_layouts(tmp_path: Path) -> None:
     path.write_text(json.dumps({"question": "q", "options": ["a", "b"], "answer": "Z"}) + "\n")
     with pytest.raises(DatasetError, match="row 0: answer 'Z' is neither a letter in AB"):
         load_items(path)
+
+
+def test_recipes_few_shot_and_zero_shot() -> None:
+    def item(subject: str, n: int, cot: str = "") -> Item:
+        return Item(f"{subject}{n}", subject, f"Q{subject}{n}?", ("x", "y", "z"), "C", cot)
+
+    dev = [item("law", i, cot=f"A: Let's think step by step. law {i}. The answer is (C).") for i in range(7)]
+    dev += [item("art", 0)]
+    (ceval,) = build_prompts(RECIPES["ceval"], [item("law", 99)], dev)
+    assert ceval.startswith("以下是中国关于law考试的单项选择题")
+    assert ceval.count("答案: C\n\n") == 5 and "Qart0" not in ceval  # 5 shots, same subject only
+    assert ceval.endswith("Qlaw99?\nA. x\nB. y\nC. z\n答案: ")
+    (pro,) = build_prompts(RECIPES["mmlu_pro"], [item("law", 99)], dev)
+    assert pro.count("Answer: Let's think step by step. law") == 5
+    assert pro.endswith("Question:\nQlaw99?\nOptions:\nA. x\nB. y\nC. z\nAnswer: Let's think step by step.")
+    (redux,) = build_prompts(RECIPES["mmlu_redux"], [item("art", 5)], dev)
+    assert "Qart0" not in redux and "where LETTER is one of A, B, C." in redux and redux.endswith("C) z")
 
 
 def test_repair_torn_tail(tmp_path: Path) -> None:
