@@ -1,0 +1,64 @@
+"""``phalanx generate``: the demo model path at TP=2 against transformers, and refusals before launch."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+from tools.cli import main
+
+
+def test_generate_with_the_demo_model_at_tp2_matches_transformers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    prompt = "The quick brown fox"
+    code = main(["generate", "--tp", "2", "--prompt", prompt, "--max-tokens", "7", "--json"])
+    assert code == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    model_dir = tmp_path / "phalanx" / "tiny-demo"
+    assert (model_dir / "config.json").is_file()  # built on first use into the user's cache dir
+
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    prompt_ids = tokenizer.encode(prompt).ids
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=7, do_sample=False)
+    expected = out[0, len(prompt_ids) :].tolist()
+    eos = set(model.generation_config.eos_token_id)
+    assert result["token_ids"] == expected
+    assert result["text"] == tokenizer.decode(expected, skip_special_tokens=True)
+    assert result["finish_reason"] == ("stop" if expected[-1] in eos else "length")
+
+
+def test_generate_refuses_a_prompt_over_the_context_before_launching(
+    tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ids = ",".join(["5"] * 2048)
+    code = main(["generate", "--model", str(tiny_model_dir), "--prompt-ids", ids, "--max-tokens", "1"])
+    assert code == 2
+    assert (
+        "prompt of 2048 tokens plus max_tokens 1 exceeds the model context of 2048 tokens"
+        in capsys.readouterr().err
+    )
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--prompt-ids", "1,x"], "--prompt-ids must be comma-separated integers, got '1,x'"),
+        (["--prompt-ids", "1", "--top-p", "1.5"], r"top_p must be in (0, 1], got 1.5"),
+        (["--prompt-ids", "1", "--max-tokens", "0"], "max_tokens must be an integer >= 1, got 0"),
+    ],
+)
+def test_generate_refuses_bad_flags(
+    tiny_model_dir: Path, capsys: pytest.CaptureFixture[str], flags: list[str], message: str
+) -> None:
+    assert main(["generate", "--model", str(tiny_model_dir), *flags]) == 2
+    assert message in capsys.readouterr().err
