@@ -1,6 +1,6 @@
 """The decoder layer and its parts (gated full attention, Gated DeltaNet, MLP) on one TP rank.
 
-Weights are this rank's slices (see sharding.py), fused per layer into one input projection. Each
+Weights are this rank's slices (see sharding.py), input projections fused by the loader. Each
 row-parallel output projection is followed by an all-reduce. All math goes through kernels.ops.
 """
 
@@ -46,7 +46,7 @@ class FullAttention:
         self.head_dim = config.head_dim
         self.eps = config.rms_norm_eps
         self.scale = config.head_dim**-0.5
-        self.qkv_weight = torch.cat([w["q_proj.weight"], w["k_proj.weight"], w["v_proj.weight"]])
+        self.qkv_weight = w["qkv_proj.weight"]
         self.q_norm = w["q_norm.weight"]
         self.k_norm = w["k_norm.weight"]
         self.o_weight = w["o_proj.weight"]
@@ -100,9 +100,7 @@ class GatedDeltaNet:
         self.value_dim = config.linear_value_head_dim
         self.kernel = config.linear_conv_kernel_dim
         self.eps = config.rms_norm_eps
-        self.in_weight = torch.cat(
-            [w["in_proj_qkv.weight"], w["in_proj_z.weight"], w["in_proj_b.weight"], w["in_proj_a.weight"]]
-        )
+        self.in_weight = w["in_proj.weight"]  # rows: q | k | v | z | b | a (local heads)
         self.conv_weight = w["conv1d.weight"].squeeze(1).contiguous()  # [conv_dim, K]
         self.dt_bias = w["dt_bias"]
         self.A_log = w["A_log"]  # float32
@@ -167,7 +165,7 @@ class MLP:
     """SwiGLU: gate|up rows sharded, down columns sharded, then all-reduce."""
 
     def __init__(self, w: Weights, tp: TensorParallel) -> None:
-        self.gate_up_weight = torch.cat([w["gate_proj.weight"], w["up_proj.weight"]])
+        self.gate_up_weight = w["gate_up_proj.weight"]
         self.down_weight = w["down_proj.weight"]
         self.tp = tp
 

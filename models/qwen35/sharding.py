@@ -26,6 +26,12 @@ class TensorSpec:
     dim: int = 0  # the dimension ``ranges`` index
     ranges: tuple[Range, ...] | None = None  # concatenated along ``dim``; None: the whole tensor
     keep_fp32: bool = False  # loaded as float32 whatever the model dtype
+    fuse_into: str | None = None  # rows appended (in spec order) to this fused tensor instead
+
+    @property
+    def key(self) -> str:
+        """The name the loaded tensor goes by: the fused tensor's, or the spec's own."""
+        return self.fuse_into or self.name
 
     @property
     def local_shape(self) -> tuple[int, ...]:
@@ -120,10 +126,13 @@ def _full_attention_specs(prefix: str, c: Qwen35Config, r: RankLayout) -> list[T
     q_rows = (_block(r.head_start, r.num_heads, 2 * hd),)  # whole heads with their gates
     kv_rows = (_block(r.kv_head_start, r.num_kv_heads, hd),)
     kv_shape = (c.num_key_value_heads * hd, hidden)
+    qkv = prefix + "qkv_proj.weight"  # local rows: [q|gate] heads, then k, then v
     return [
-        TensorSpec(prefix + "q_proj.weight", (c.num_attention_heads * 2 * hd, hidden), 0, q_rows),
-        TensorSpec(prefix + "k_proj.weight", kv_shape, 0, kv_rows),
-        TensorSpec(prefix + "v_proj.weight", kv_shape, 0, kv_rows),
+        TensorSpec(
+            prefix + "q_proj.weight", (c.num_attention_heads * 2 * hd, hidden), 0, q_rows, fuse_into=qkv
+        ),
+        TensorSpec(prefix + "k_proj.weight", kv_shape, 0, kv_rows, fuse_into=qkv),
+        TensorSpec(prefix + "v_proj.weight", kv_shape, 0, kv_rows, fuse_into=qkv),
         TensorSpec(prefix + "q_norm.weight", (hd,)),
         TensorSpec(prefix + "k_norm.weight", (hd,)),
         TensorSpec(
@@ -147,11 +156,16 @@ def _linear_attention_specs(prefix: str, c: Qwen35Config, r: RankLayout) -> list
     )
     value_rows = (_block(r.linear_value_head_start, r.linear_value_heads, dv),)
     value_heads = (_block(r.linear_value_head_start, r.linear_value_heads, 1),)
+    in_proj = prefix + "in_proj.weight"  # local rows: q_r, k_r, v_r, z_r, b_r, a_r
     return [
-        TensorSpec(prefix + "in_proj_qkv.weight", (c.linear_conv_dim, hidden), 0, qkv_rows),
-        TensorSpec(prefix + "in_proj_z.weight", (c.linear_value_dim, hidden), 0, value_rows),
-        TensorSpec(prefix + "in_proj_b.weight", (hv, hidden), 0, value_heads),
-        TensorSpec(prefix + "in_proj_a.weight", (hv, hidden), 0, value_heads),
+        TensorSpec(
+            prefix + "in_proj_qkv.weight", (c.linear_conv_dim, hidden), 0, qkv_rows, fuse_into=in_proj
+        ),
+        TensorSpec(
+            prefix + "in_proj_z.weight", (c.linear_value_dim, hidden), 0, value_rows, fuse_into=in_proj
+        ),
+        TensorSpec(prefix + "in_proj_b.weight", (hv, hidden), 0, value_heads, fuse_into=in_proj),
+        TensorSpec(prefix + "in_proj_a.weight", (hv, hidden), 0, value_heads, fuse_into=in_proj),
         TensorSpec(prefix + "conv1d.weight", (c.linear_conv_dim, 1, c.linear_conv_kernel_dim), 0, qkv_rows),
         TensorSpec(prefix + "dt_bias", (hv,), 0, value_heads),
         TensorSpec(prefix + "A_log", (hv,), 0, value_heads, keep_fp32=True),
@@ -163,8 +177,9 @@ def _linear_attention_specs(prefix: str, c: Qwen35Config, r: RankLayout) -> list
 def _mlp_specs(prefix: str, c: Qwen35Config, r: RankLayout) -> list[TensorSpec]:
     hidden, inter = c.hidden_size, c.intermediate_size
     rows = (_block(r.intermediate_start, r.intermediate, 1),)
+    gate_up = prefix + "gate_up_proj.weight"
     return [
-        TensorSpec(prefix + "gate_proj.weight", (inter, hidden), 0, rows),
-        TensorSpec(prefix + "up_proj.weight", (inter, hidden), 0, rows),
+        TensorSpec(prefix + "gate_proj.weight", (inter, hidden), 0, rows, fuse_into=gate_up),
+        TensorSpec(prefix + "up_proj.weight", (inter, hidden), 0, rows, fuse_into=gate_up),
         TensorSpec(prefix + "down_proj.weight", (hidden, inter), 1, rows),
     ]

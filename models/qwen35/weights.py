@@ -115,21 +115,51 @@ def read_slices(
     rank: int = 0,
     progress: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """This rank's part of every spec'd tensor, keyed by the spec's (prefix-free) name."""
-    tensors: dict[str, torch.Tensor] = {}
+    """This rank's part of every spec'd tensor, keyed by ``spec.key`` (fused groups as one tensor).
+
+    Each destination is allocated once, at its final size, dtype and device, and the slices are
+    copied straight into it, so the rank never holds a second copy of its weights.
+    """
+    destinations = _allocate(specs, dtype, device)
+    row_offsets: dict[str, int] = {}
     for spec in tqdm(specs, desc=f"rank {rank} loading weights", disable=not progress, unit="tensor"):
         full = checkpoint.full_name(spec.name)
+        rows = spec.local_shape[0]
+        offset = row_offsets.get(spec.key, 0)
+        row_offsets[spec.key] = offset + rows
+        target = destinations[spec.key].narrow(0, offset, rows)
         with safe_open(str(checkpoint.file_of[full]), framework="pt") as handle:
-            tensor = _read(handle.get_slice(full), spec)
-        target = torch.float32 if spec.keep_fp32 else dtype
-        tensors[spec.name] = tensor.to(device=device, dtype=target)
-    log.debug("weights read", rank=rank, tensors=len(tensors), model_dir=str(checkpoint.model_dir))
-    return tensors
+            _copy_into(handle.get_slice(full), spec, target)
+    log.debug("weights read", rank=rank, tensors=len(specs), model_dir=str(checkpoint.model_dir))
+    return destinations
 
 
-def _read(tensor_slice, spec: TensorSpec) -> torch.Tensor:  # tensor_slice: safetensors PySafeSlice
+def _allocate(
+    specs: Sequence[TensorSpec], dtype: torch.dtype, device: torch.device
+) -> dict[str, torch.Tensor]:
+    shapes: dict[str, list[int]] = {}
+    dtypes: dict[str, torch.dtype] = {}
+    for spec in specs:
+        shape = list(spec.local_shape)
+        if spec.key in shapes:
+            if shapes[spec.key][1:] != shape[1:]:
+                raise WeightError(f"cannot fuse {spec.name} {shape} into {spec.key} {shapes[spec.key]}")
+            shapes[spec.key][0] += shape[0]
+        else:
+            shapes[spec.key] = shape
+        dtypes[spec.key] = torch.float32 if spec.keep_fp32 else dtype
+    return {key: torch.empty(shape, dtype=dtypes[key], device=device) for key, shape in shapes.items()}
+
+
+def _copy_into(tensor_slice, spec: TensorSpec, target: torch.Tensor) -> None:
+    """Copy the spec's ranges of a safetensors slice (a PySafeSlice) into ``target``."""
     if spec.ranges is None:
-        return tensor_slice[:]
+        target.copy_(tensor_slice[:])
+        return
     lead = (slice(None),) * spec.dim
-    parts = [tensor_slice[(*lead, slice(lo, hi))] for lo, hi in spec.ranges]
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=spec.dim)
+    offset = 0
+    for lo, hi in spec.ranges:
+        # A slice may be a view into the file's memory map; copy_ reads it once, and the map is
+        # released when the file handle closes.
+        target.narrow(spec.dim, offset, hi - lo).copy_(tensor_slice[(*lead, slice(lo, hi))])
+        offset += hi - lo
