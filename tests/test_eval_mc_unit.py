@@ -17,7 +17,7 @@ import pytest
 
 from tools.cli import main as phalanx
 from tools.evalmc.checkpoint import repair_jsonl_tail
-from tools.evalmc.data import DatasetError, Item, load_items, stratified_sample
+from tools.evalmc.data import DatasetError, Item, load_items, load_paths, stratified_sample
 from tools.evalmc.extract import extract_answer
 from tools.evalmc.recipes import RECIPES, build_prompts
 
@@ -80,6 +80,21 @@ def test_dataset_native_layouts(tmp_path: Path) -> None:
         ("law", "A", 3),
         ("Science", "B", 2),
     ]
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pro = [
+        {"question_id": i, "question": f"p{i}?", "options": ["a", "b", "c"], "answer": "B", "category": "law"}
+        for i in range(3)
+    ]
+    pq.write_table(pa.Table.from_pylist(pro), tmp_path / "mmlu_pro.parquet")
+    assert [(i.id, i.subject, i.answer) for i in load_paths([tmp_path])][:4] == [
+        ("1", "computer_network", "C"),
+        ("computer_network-1", "anatomy", "B"),
+        ("7", "law", "A"),
+        ("u", "Science", "B"),
+    ]
+    assert [i.id for i in load_paths([tmp_path / "mmlu_pro.parquet"])] == ["0", "1", "2"]
     path.write_text(json.dumps({"question": "q", "options": ["a", "b"], "answer": "Z"}) + "\n")
     with pytest.raises(DatasetError, match="row 0: answer 'Z' is neither a letter in AB"):
         load_items(path)

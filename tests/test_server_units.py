@@ -189,7 +189,15 @@ def test_health_is_503_once_poisoned(tiny_model_dir: Path) -> None:
             assert http.get("/health").status_code == 200
             ok = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "ignore_eos": True})
             assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
-            ranks.fail.set()
+            ranks.decode_delay_s = 0.01
+            body = {"prompt": "hi", "max_tokens": 200, "ignore_eos": True, "stream": True}
+            with http.stream("POST", "/v1/completions", json=body) as response:
+                lines = response.iter_lines()
+                assert next(lines).startswith("data: {")
+                ranks.fail.set()  # the engine fails mid-stream
+                rest = [line for line in lines if line]
+            assert "injected" in json.loads(rest[-2][len("data: ") :])["error"]["message"]
+            assert rest[-1] == "data: [DONE]"
             failed = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "ignore_eos": True})
             assert failed.status_code == 503 and "injected" in failed.json()["error"]["message"]
             health = http.get("/health")
