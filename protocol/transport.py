@@ -22,6 +22,9 @@ import zmq
 
 from protocol.errors import ProtocolError
 
+# sockaddr_un.sun_path holds 108 bytes including the terminating NUL on Linux.
+_MAX_IPC_PATH = 107
+
 
 class Framer:
     """Turns one payload into the frames that travel, and back. Identity by default."""
@@ -44,7 +47,12 @@ class RuntimeDir:
         atexit.register(self.remove)
 
     def ipc_address(self, name: str = "control") -> str:
-        return f"ipc://{os.path.join(self.path, name)}.sock"
+        path = f"{os.path.join(self.path, name)}.sock"
+        if len(path) > _MAX_IPC_PATH:
+            raise ValueError(
+                f"ipc socket path {path!r} is longer than {_MAX_IPC_PATH} bytes; set TMPDIR shorter"
+            )
+        return f"ipc://{path}"
 
     def remove(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)

@@ -3,6 +3,7 @@ the in-process model, DropRequest expectations and slot moves, and worker-side s
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -99,6 +100,8 @@ def test_runtime_matches_in_process_model(tp: int, tp2: Executor, tiny_model_dir
         assert ex.world_size == tp
         _assert_matches(_serve_scenario(ex, 0), references, 0)
     assert ex.rank_exit_codes == [0] * tp  # bounded shutdown: every rank acknowledged and left
+    runtime_dir = os.path.dirname(ex.address.removeprefix("ipc://"))
+    assert not os.path.exists(runtime_dir)  # the private ipc directory is gone
 
 
 def test_drop_expectations_of_unknown_request(tp2: Executor) -> None:
