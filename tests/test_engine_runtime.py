@@ -9,7 +9,9 @@ exact phase. Rank state is checked at the end through the real ranks (MustBeAbse
 from __future__ import annotations
 
 import functools
+import os
 import random
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -324,3 +326,30 @@ def test_soak_of_random_requests_with_random_cancellations(engine: Engine, tiny_
     assert collect(engine.submit(prompt, GenerationParams(max_tokens=5, ignore_eos=True)))[0] == hf_greedy(
         tiny_model_dir, prompt, 5, stop_at_eos=False
     )
+
+
+def test_a_dead_rank_poisons_the_engine_and_every_open_request_gets_one_error(engine: Engine) -> None:
+    """Runs last for each engine (it kills a rank): requests in decode, in prefill and waiting."""
+    rng = random.Random(6)
+    executor = engine._executor
+    executor.hold_after(lambda name, args: len(row_ids(name, args)) == 2)
+    streams = [
+        engine.submit(prompt_of(rng, 4), GenerationParams(max_tokens=20, ignore_eos=True)) for _ in range(2)
+    ]
+    executor.wait_held()
+    streams.append(engine.submit(prompt_of(rng, 60), GenerationParams(max_tokens=4, ignore_eos=True)))
+    streams.append(
+        engine.submit(prompt_of(rng, 90), GenerationParams(max_tokens=4, ignore_eos=True))
+    )  # waits
+    victim = executor.world_size - 1
+    os.kill(executor.rank_pids[victim], signal.SIGKILL)
+    executor.release()
+    for stream in streams:
+        events = list(stream)
+        finals = [e for e in events if not isinstance(e, TokenEvent)]
+        assert len(finals) == 1 and isinstance(finals[0], ErrorEvent), events
+        assert finals[0].message.startswith("engine is poisoned: ") and f"rank {victim}" in finals[0].message
+    assert engine.poison_reason is not None and f"rank {victim}" in engine.poison_reason
+    with pytest.raises(RuntimeError, match="engine is poisoned"):
+        engine.submit([1], GenerationParams())
+    assert engine.stats().running == 0
