@@ -114,27 +114,32 @@ def config_dict(geometry: str) -> dict[str, object]:
 
 
 def random_weights(config, device: torch.device, dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
-    """Every tensor of a TP = 1 checkpoint, random, with the checkpoint's names, shapes and dtypes."""
+    """Every tensor a TP = 1 rank loads, random, under the loader's keys, shapes and dtypes
+    (specs fused into one tensor, such as gate|up, are concatenated in spec order, as it does)."""
     from models.qwen35.sharding import RankLayout, tensor_specs
 
     gen = torch.Generator(device=device).manual_seed(seed)
     layout = RankLayout.build(config, 0, 1)
-    weights = {}
+    parts: dict[str, list[torch.Tensor]] = {}
     for spec in tensor_specs(config, layout, include_lm_head=not config.tie_word_embeddings):
-        shape, name = spec.local_shape, spec.name
-        t_dtype = torch.float32 if spec.keep_fp32 else dtype
-        if name.endswith("A_log"):
-            t = torch.rand(shape, generator=gen, device=device).mul(15).add(1).log()
-        elif name.endswith("linear_attn.norm.weight"):
-            t = torch.rand(shape, generator=gen, device=device).add(0.5)
-        elif name.endswith("dt_bias") or name.endswith("norm.weight"):
-            t = torch.randn(shape, generator=gen, device=device).mul(0.1)
-        elif name.endswith("conv1d.weight"):
-            t = torch.randn(shape, generator=gen, device=device).mul(0.3)
-        else:
-            t = torch.randn(shape, generator=gen, device=device, dtype=t_dtype).mul(0.02)
-        weights[name] = t.to(t_dtype)
-    return weights
+        parts.setdefault(spec.key, []).append(_random_tensor(spec, gen, device, dtype))
+    return {key: group[0] if len(group) == 1 else torch.cat(group) for key, group in parts.items()}
+
+
+def _random_tensor(spec, gen: torch.Generator, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    shape, name = spec.local_shape, spec.name
+    t_dtype = torch.float32 if spec.keep_fp32 else dtype
+    if name.endswith("A_log"):
+        t = torch.rand(shape, generator=gen, device=device).mul(15).add(1).log()
+    elif name.endswith("linear_attn.norm.weight"):
+        t = torch.rand(shape, generator=gen, device=device).add(0.5)
+    elif name.endswith("dt_bias") or name.endswith("norm.weight"):
+        t = torch.randn(shape, generator=gen, device=device).mul(0.1)
+    elif name.endswith("conv1d.weight"):
+        t = torch.randn(shape, generator=gen, device=device).mul(0.3)
+    else:
+        t = torch.randn(shape, generator=gen, device=device, dtype=t_dtype).mul(0.02)
+    return t.to(t_dtype)
 
 
 def build_random_model(
