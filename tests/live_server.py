@@ -23,16 +23,27 @@ _ADDRESS = re.compile(r"phalanx serving .* on (http://\S+)")
 @contextmanager
 def live_server(model_dir: Path, log_path: Path, *extra: str, startup_s: float = 120.0) -> Iterator[str]:
     """Start the server at TP 2 on CPU; yield its base URL (no /v1); stop it afterwards."""
-    argv = [sys.executable, "-m", "tools", "serve", "--model", str(model_dir), "--tp", "2", "--port", "0"]
-    argv += ["--served-model-name", MODEL_NAME, "--max-slots", "8", "--kv-pages", "128", *extra]
+    argv = ["--model", str(model_dir), "--tp", "2", "--served-model-name", MODEL_NAME, *extra]
+    with serve_process([*argv, "--max-slots", "8", "--kv-pages", "128"], log_path, startup_s) as (url, _):
+        yield url
+
+
+@contextmanager
+def serve_process(
+    args: list[str], log_path: Path, startup_s: float = 120.0, env: dict[str, str] | None = None
+) -> Iterator[tuple[str, list[str]]]:
+    """Run ``phalanx serve ARGS --port 0``; yield its base URL and the lines it printed."""
+    argv = [sys.executable, "-m", "tools", "serve", *args, "--port", "0"]
     log = log_path.open("w")
-    process = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True)
+    process = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
     found: list[str] = []
+    printed: list[str] = []
     ready = threading.Event()
 
     def read_stdout() -> None:
         assert process.stdout is not None
         for line in process.stdout:
+            printed.append(line.rstrip("\n"))
             match = _ADDRESS.search(line)
             if match and not found:
                 found.append(match.group(1))
@@ -44,9 +55,14 @@ def live_server(model_dir: Path, log_path: Path, *extra: str, startup_s: float =
         while not ready.wait(0.2):
             if process.poll() is not None or time.monotonic() > deadline:
                 log.flush()
-                raise RuntimeError(f"server did not start (exit {process.poll()}):\n{log_path.read_text()[-4000:]}")
+                raise RuntimeError(
+                    f"server did not start (exit {process.poll()}):\n{log_path.read_text()[-4000:]}"
+                )
         httpx.get(found[0] + "/health", timeout=10).raise_for_status()
-        yield found[0]
+        deadline = time.monotonic() + 5.0  # the curl line follows the address
+        while len(printed) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        yield found[0], printed
     finally:
         if process.poll() is None:
             process.send_signal(signal.SIGINT)

@@ -4,24 +4,42 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shlex
+import shutil
 from pathlib import Path
 
-from live_server import MODEL_NAME, live_server
+import httpx
+from live_server import serve_process
 
 from tools import bench_serve
 from tools.cli import main as phalanx
 
 
-def test_bench_serve_against_live_server(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_bench_serve_against_the_demo_server(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """``phalanx serve`` with no --model: the demo model (here already in the cache) at TP 2,
+    and the curl line it prints works; then the benchmark runs against it."""
+    cache = tmp_path / "cache"
+    shutil.copytree(tiny_model_dir, cache / "phalanx" / "tiny-demo")
+    env = {**os.environ, "XDG_CACHE_HOME": str(cache)}
     out = tmp_path / "bench.json"
-    with live_server(tiny_model_dir, tmp_path / "server.log") as base_url:
+    with serve_process([], tmp_path / "server.log", env=env) as (base_url, printed):
+        assert f"phalanx serving 'tiny-demo' (tp=2, cpu) on {base_url}" in printed
+        curl = shlex.split(
+            next(line for line in printed if line.startswith("try: curl ")).removeprefix("try: ")
+        )
+        assert curl[1] == base_url + "/v1/chat/completions"
+        reply = httpx.post(
+            curl[1], content=curl[curl.index("-d") + 1], headers={"Content-Type": "application/json"}
+        )
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] >= 1
         argv = ["bench", "serve", "--base-url", base_url, "--concurrency", "4", "--num-prompts", "8"]
         argv += ["--input-len", "24"]
         assert phalanx([*argv, "--output-len", "6", "--out", str(out)]) == 0
         text_out = tmp_path / "bench_text.json"
         assert phalanx([*argv, "--output-len", "3", "--prompt-kind", "text", "--out", str(text_out)]) == 0
     result = json.loads(out.read_text())
-    assert result["model"] == MODEL_NAME
+    assert result["model"] == "tiny-demo"
     assert (result["completed"], result["failed"], result["total_output_tokens"]) == (8, 0, 48)
     assert result["output_tokens_per_s"] > 0
     for name in ("ttft_ms", "tpot_ms", "itl_ms"):
