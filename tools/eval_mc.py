@@ -84,7 +84,11 @@ def run(args: argparse.Namespace) -> int:
         items = stratified_sample(items, args.sample)
     if args.limit is not None:
         items = items[: args.limit]
-    model = args.model or _first_model(args.base_url)
+    try:
+        model = args.model or _first_model(args.base_url)
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
+        print(f"phalanx eval-mc: cannot ask {args.base_url} for its model: {e!r}", file=sys.stderr)
+        return 1
     settings = ChatSettings(args.base_url, model, args.max_tokens, args.temperature, args.attempts)
     prompts = build_prompts(RECIPES[args.bench], items, dev)
     summary = run_benchmark(args.bench, items, prompts, settings, files, args.concurrency, args.timeout)
