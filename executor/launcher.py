@@ -18,6 +18,7 @@ from executor.model_info import read_model_info
 from executor.precapture import precapture_decode_graphs
 from executor.ranks import RankHandle
 from executor.runtime import Executor
+from protocol.auth import coordinator_authenticator, key_from_secret, new_key, shared_secret_from_env
 from protocol.trace import open_trace
 from protocol.transport import CoordinatorSocket, RuntimeDir, tcp_address
 from worker.config import WorkerConfig, WorkerLimits, encode_config
@@ -34,7 +35,14 @@ def _free_tcp_port(host: str) -> int:
         return probe.getsockname()[1]
 
 
-def _spawn_ranks(config: ExecutorConfig, address: str, epoch: int) -> list[RankHandle]:
+def _auth_key(config: ExecutorConfig) -> bytes | None:
+    """TCP frames are authenticated: a fresh key for spawned ranks, the shared secret's otherwise."""
+    if config.transport != "tcp":
+        return None
+    return key_from_secret(shared_secret_from_env()) if config.attach else new_key()
+
+
+def _spawn_ranks(config: ExecutorConfig, address: str, epoch: int, key: bytes | None) -> list[RankHandle]:
     context = multiprocessing.get_context("spawn")
     limits = WorkerLimits(config.kv_pages, config.page_size, config.max_slots, config.max_batch_tokens)
     ranks = []
@@ -53,6 +61,7 @@ def _spawn_ranks(config: ExecutorConfig, address: str, epoch: int) -> list[RankH
             gate_timeout=config.startup_timeout,
             log_level=config.log_level,
             cuda_graph=config.cuda_graph,
+            auth_key=key.hex() if key else "",
         )
         process = context.Process(
             target=spawn_main, args=(encode_config(worker_config),), name=f"phalanx-rank-{rank}", daemon=True
@@ -70,13 +79,14 @@ def launch_executor(config: ExecutorConfig) -> Executor:
     bind(epoch, 0)
     runtime_dir = RuntimeDir() if config.transport == "ipc" else None
     address = runtime_dir.ipc_address() if runtime_dir else tcp_address(config.host, config.port)
-    sock = CoordinatorSocket(address)
+    key = _auth_key(config)
+    sock = CoordinatorSocket(address, coordinator_authenticator(key, config.tp) if key else None)
     if config.attach:
         log.info("waiting for ranks to connect", address=sock.address, world_size=config.tp)
         ranks = [RankHandle(rank) for rank in range(config.tp)]
         dist_init_method = "env://"
     else:
-        ranks = _spawn_ranks(config, sock.address, epoch)
+        ranks = _spawn_ranks(config, sock.address, epoch, key)
         dist_init_method = tcp_address("127.0.0.1", _free_tcp_port("127.0.0.1"))
     trace = (
         open_trace(config.record, epoch=epoch, world_size=config.tp, meta=vars(config))

@@ -10,8 +10,10 @@ never accepts a frame signed by a rank, so a reply cannot be reflected back as a
 keeps, per sender, a sliding window of the counters it has seen: a counter seen before, or older
 than the window, is a replay and is dropped.
 
-The key must be fresh per launch (:func:`new_key`, or :func:`derive_launch_key` from a shared
-secret and the launch epoch), so frames recorded in one launch never verify in another.
+Spawned ranks get a fresh random key per launch (:func:`new_key`), so frames recorded in one
+launch never verify in another. Ranks started elsewhere (torchrun, SLURM) derive the key from the
+shared secret in ``PHALANX_SECRET`` (:func:`key_from_secret`); they cannot know the launch before
+its Go, so a frame of an earlier launch is refused by its foreign epoch instead.
 Every rejected frame raises ``ProtocolError(UNAUTHENTICATED)``, is counted in ``drops`` and is
 logged (the first few in full, then a summary at most once a second).
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 import collections
 import hmac
 import itertools
+import os
 import secrets
 import struct
 import threading
@@ -30,12 +33,14 @@ from collections.abc import Iterable
 import structlog
 
 from protocol.errors import ProtocolError
+from protocol.transport import Framer
 
 AUTH_VERSION = 1
 COORDINATOR = 0xFFFFFFFF
 KEY_BYTES = 32
 TAG_BYTES = 32
 REPLAY_WINDOW = 4096
+SECRET_ENV = "PHALANX_SECRET"
 
 _HEADER = struct.Struct("<BIQ")
 _WINDOW_MASK = (1 << REPLAY_WINDOW) - 1
@@ -51,10 +56,41 @@ def new_key() -> bytes:
 
 
 def derive_launch_key(secret: bytes, epoch: int) -> bytes:
-    """The key of one launch from a long-lived shared secret (ranks started by torchrun/SLURM)."""
+    """The key of one launch from a long-lived shared secret and the launch's epoch."""
+    _check_secret(secret)
+    return hmac.digest(secret, b"phalanx launch key\x00" + epoch.to_bytes(8, "little"), "sha256")
+
+
+def key_from_secret(secret: bytes) -> bytes:
+    """The control-plane key of ranks started elsewhere, which share only ``secret``."""
+    _check_secret(secret)
+    return hmac.digest(secret, b"phalanx control key", "sha256")
+
+
+def shared_secret_from_env() -> bytes:
+    secret = os.environ.get(SECRET_ENV, "").encode()
+    if len(secret) < 16:
+        raise ValueError(
+            f"the TCP control plane with ranks started elsewhere needs a shared secret: set {SECRET_ENV} "
+            "(at least 16 bytes) for the coordinator and every rank"
+        )
+    return secret
+
+
+def _check_secret(secret: bytes) -> None:
     if len(secret) < 16:
         raise ValueError(f"the shared secret has {len(secret)} bytes; at least 16 are required")
-    return hmac.digest(secret, b"phalanx launch key\x00" + epoch.to_bytes(8, "little"), "sha256")
+
+
+def coordinator_authenticator(key: bytes, world_size: int) -> FrameAuthenticator:
+    """The coordinator signs as COORDINATOR and accepts ranks 0..world_size-1."""
+    return FrameAuthenticator(key, COORDINATOR, accept=range(world_size))
+
+
+def rank_authenticator(key: bytes, rank: int) -> FrameAuthenticator:
+    """A rank signs as itself and accepts only the coordinator. Its heartbeat socket shares this
+    object, so both draw counters from one sequence."""
+    return FrameAuthenticator(key, rank, accept=[COORDINATOR])
 
 
 def sender_name(sender: int) -> str:
@@ -87,8 +123,8 @@ class _ReplayWindow:
             self.seen |= 1 << (self.top - counter)
 
 
-class FrameAuthenticator:
-    """One endpoint's signer and verifier.
+class FrameAuthenticator(Framer):
+    """One endpoint's signer and verifier, and the transport's framer for its sockets.
 
     ``sender`` is this endpoint's identity (a rank or COORDINATOR); ``accept`` the senders whose
     frames it takes (None: any sender except itself).

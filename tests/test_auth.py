@@ -2,15 +2,34 @@
 
 from __future__ import annotations
 
-import pytest
+import time
+from pathlib import Path
 
+import pytest
+import zmq
+
+from executor.launcher import ExecutorConfig, launch_executor
+from protocol import (
+    PROTOCOL_VERSION,
+    Ack,
+    DecodeRow,
+    Envelope,
+    Ping,
+    PrefillChunk,
+    ReplyEnvelope,
+    encode,
+    pack_ids,
+)
 from protocol.auth import (
     COORDINATOR,
     OVERHEAD,
     REPLAY_WINDOW,
     FrameAuthenticator,
     derive_launch_key,
+    key_from_secret,
     new_key,
+    rank_authenticator,
+    shared_secret_from_env,
 )
 from protocol.errors import ProtocolError
 
@@ -97,3 +116,76 @@ def test_launch_keys_differ_per_epoch() -> None:
         derive_launch_key(b"short", 1)
     with pytest.raises(ValueError, match="at least 16"):
         FrameAuthenticator(b"short", 0)
+    assert key_from_secret(secret) not in (secret, derive_launch_key(secret, 0))
+
+
+def test_attached_ranks_need_a_shared_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PHALANX_SECRET", raising=False)
+    with pytest.raises(ValueError, match="needs a shared secret: set PHALANX_SECRET"):
+        shared_secret_from_env()
+    monkeypatch.setenv("PHALANX_SECRET", "a" * 16)
+    assert shared_secret_from_env() == b"a" * 16
+
+
+# ---------------------------------------------------------------------------------------------
+# Through real ranks over TCP: forged, unsigned and replayed frames are dropped on both sides
+# ---------------------------------------------------------------------------------------------
+
+
+def test_tcp_launch_drops_unsigned_forged_and_replayed_frames(
+    tiny_model_dir: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    config = ExecutorConfig(
+        model_dir=str(tiny_model_dir),
+        tp=1,
+        transport="tcp",
+        kv_pages=4,
+        page_size=16,
+        max_slots=2,
+        max_batch_tokens=64,
+    )
+    ex = launch_executor(config)
+    try:
+        assert ex.address.startswith("tcp://127.0.0.1:")
+        link = ex._link
+        coordinator = link.sock._framer
+        chunk = PrefillChunk(1, pack_ids([1, 2, 3]), 0, pack_ids([0]), True)
+        (first,) = ex.prefill([chunk]).results  # signed frames flow both ways
+
+        # At the coordinator: a stranger forges rank 0's answer to the next step.
+        next_seq = ex._seq + 1
+        forged = encode(ReplyEnvelope(PROTOCOL_VERSION, ex.epoch, 0, next_seq, Ack()))
+        wrong_key = rank_authenticator(new_key(), 0)
+        replayer = rank_authenticator(coordinator._key, 0)  # counters 1..3 were rank 0's own
+        stranger = zmq.Context.instance().socket(zmq.DEALER)
+        stranger.setsockopt(zmq.LINGER, 0)
+        stranger.connect(ex.address)
+        frames = [forged] * 20 + [wrong_key.sign(forged) for _ in range(20)]
+        frames += [replayer.sign(forged) for _ in range(3)]
+        for frame in frames:
+            stranger.send(frame)
+        # At the rank: unsigned commands and a replayed signed one, sent past the framer.
+        identity = link.ranks[0].identity
+        unsigned = encode(Envelope(PROTOCOL_VERSION, ex.epoch, next_seq, Ping()))
+        stale = coordinator.sign(encode(Envelope(PROTOCOL_VERSION, ex.epoch, 1, Ping())))
+        for frame in [unsigned] * 20 + [stale, stale]:
+            link.sock.socket.send_multipart([identity, frame])
+
+        deadline = time.monotonic() + 10
+        while link.rejected_frames < len(frames) and time.monotonic() < deadline:
+            ex.ping()
+        stranger.close()
+        assert link.rejected_frames == len(frames)
+        assert coordinator.drops == {"bad_tag": 40, "replay": 3}
+        row = DecodeRow(1, 0, first.token, 3, pack_ids([0]))
+        ex.decode([row])  # nothing forged was taken for a reply, nothing unsigned was executed
+        assert ex.poison_reason is None
+    finally:
+        ex.shutdown()
+    rank_lines = [line for line in capfd.readouterr().err.splitlines() if " rank=0 " in line]
+    unauthenticated = [
+        line for line in rank_lines if "event='frame rejected'" in line and "unauthenticated" in line
+    ]
+    assert len(unauthenticated) == 21  # 20 unsigned + the replayed copy
+    assert sum("event='stale command rejected'" in line for line in rank_lines) == 1  # the first copy
+    assert any("counter" in line and "already accepted (replayed frame)" in line for line in rank_lines)

@@ -54,7 +54,10 @@ def _start_rank(rank: int, model_dir: Path, coordinator: str, master_port: int) 
     return subprocess.Popen(command, env=env, cwd=REPO)
 
 
-def test_torchrun_style_ranks_join_over_tcp_and_serve(tiny_model_dir: Path) -> None:
+def test_torchrun_style_ranks_join_over_tcp_and_serve(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PHALANX_SECRET", "torchrun-test-shared-secret")  # tcp frames are authenticated
     port = _free_port()
     coordinator = f"tcp://127.0.0.1:{port}"
     master_port = _free_port()

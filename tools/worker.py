@@ -5,7 +5,8 @@ SLURM_NTASKS), LOCAL_RANK (or SLURM_LOCALID) for the CUDA device, and MASTER_ADD
 for torch.distributed (``env://``). The coordinator's address comes from ``--coordinator`` or
 PHALANX_COORDINATOR, e.g. ``tcp://10.0.0.1:29400``; the coordinator must have been launched with
 ``attach=True`` and the same world size. Attached ranks send heartbeats so the coordinator notices
-them die.
+them die. Control frames are authenticated with a key derived from PHALANX_SECRET, which the
+coordinator and every rank must share.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from protocol.auth import key_from_secret, shared_secret_from_env
     from worker.config import WorkerConfig, WorkerLimits
     from worker.main import run_worker
 
@@ -56,6 +58,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.device == "cpu" and args.kv_pages <= 0:
         print("phalanx worker: --kv-pages must be positive on cpu", file=sys.stderr)
+        return 2
+    try:
+        key = key_from_secret(shared_secret_from_env())
+    except ValueError as exc:
+        print(f"phalanx worker: {exc}", file=sys.stderr)
         return 2
     config = WorkerConfig(
         model_dir=args.model,
@@ -71,5 +78,6 @@ def run(args: argparse.Namespace) -> int:
         heartbeat_interval=args.heartbeat_interval,
         cuda_graph=args.cuda_graph,
         log_level=args.log_level,
+        auth_key=key.hex(),
     )
     return run_worker(config)

@@ -31,6 +31,7 @@ class WorkerConfig(msgspec.Struct, frozen=True):
     gate_timeout: float = 600.0  # how long to wait for Go/Cancel before giving up
     heartbeat_interval: float = 0.0  # > 0 for ranks the coordinator did not spawn
     log_level: str = "info"
+    auth_key: str = ""  # hex HMAC-SHA256 key of the tcp control plane ("" on ipc: no authentication)
     cuda_graph: bool = False  # decode through per-bucket graphs (eager static buffers on CPU)
 
 

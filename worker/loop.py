@@ -119,9 +119,8 @@ class CommandLoop:
 
     def run(self) -> int:
         while True:
-            frame = self.sock.recv(None)
             try:
-                envelope = decode_envelope(frame, epoch=self.epoch)
+                envelope = decode_envelope(self.sock.recv(None), epoch=self.epoch)
             except ProtocolError as exc:
                 self.rejected_frames += 1
                 log.warning(

@@ -17,6 +17,7 @@ import structlog
 import torch
 
 from protocol import PROTOCOL_VERSION, ProtocolError, decode_envelope, encode
+from protocol.auth import rank_authenticator
 from protocol.messages import Cancel, Capacity, Failed, Go, Precapture, Ready, ReplyEnvelope
 from protocol.transport import RankSocket
 from worker.buckets import state_slot_layout
@@ -63,10 +64,10 @@ def _wait_for_decision(sock: RankSocket, config: WorkerConfig) -> tuple[int, Go 
     """Block until Go or Cancel arrives (or the gate times out); returns (epoch, decision)."""
     deadline = time.monotonic() + config.gate_timeout
     while (remaining := deadline - time.monotonic()) > 0:
-        frame = sock.recv(remaining)
-        if frame is None:
-            break
         try:
+            frame = sock.recv(remaining)
+            if frame is None:
+                break
             envelope = decode_envelope(frame, epoch=config.epoch or None)
         except ProtocolError as exc:
             log.warning("frame rejected while waiting for go", reason=exc.reason, detail=exc.detail)
@@ -160,7 +161,8 @@ def _startup(sock: RankSocket, config: WorkerConfig) -> tuple[StepRunner, int] |
 
 def run_worker(config: WorkerConfig) -> int:
     configure_logging(config.rank, config.epoch, config.log_level)
-    sock = wrap_socket(RankSocket(config.coordinator, f"rank-{config.rank}".encode()), config.rank)
+    framer = rank_authenticator(bytes.fromhex(config.auth_key), config.rank) if config.auth_key else None
+    sock = wrap_socket(RankSocket(config.coordinator, f"rank-{config.rank}".encode(), framer), config.rank)
     heartbeat: HeartbeatThread | None = None
     try:
         try:
@@ -174,7 +176,9 @@ def run_worker(config: WorkerConfig) -> int:
             return started
         runner, epoch = started
         if config.heartbeat_interval > 0:
-            heartbeat = HeartbeatThread(config.coordinator, config.rank, epoch, config.heartbeat_interval)
+            heartbeat = HeartbeatThread(
+                config.coordinator, config.rank, epoch, config.heartbeat_interval, framer
+            )
             heartbeat.start()
         loop = CommandLoop(sock, config.rank, epoch, runner)
         if runner.graphs is not None:
