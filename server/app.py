@@ -58,7 +58,7 @@ def create_app(
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
-        if 400 <= exc.status < 500:
+        if 400 <= exc.status < 499:  # 499: the client left, nothing was rejected
             metrics.rejected.inc()
         return JSONResponse(exc.body(), status_code=exc.status)
 

@@ -94,7 +94,8 @@ async def _collect_unless_gone(generation: Generation, request: Request) -> Coll
                 raise ApiError(499, "client disconnected", "client_closed_request")
         return task.result()
     except GenerationError as e:
-        raise ApiError(503 if "poisoned" in str(e) else 500, str(e), "server_error") from e
+        poisoned = _state(request).engine.poison_reason is not None
+        raise ApiError(503 if poisoned else 500, str(e), "server_error") from e
     finally:
         if not task.done():
             task.cancel()
