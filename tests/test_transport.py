@@ -11,7 +11,8 @@ from protocol import ProtocolError
 from protocol.transport import CoordinatorSocket, Framer, RankSocket, RuntimeDir, tcp_address
 
 
-def _round_trip(address: str, framer: Framer | None = None) -> None:
+def _round_trip(address: str, framer: Framer | None = None) -> str:
+    """Bind at ``address``, exchange one frame each way; returns the bound address."""
     coordinator = CoordinatorSocket(address, framer)
     rank = RankSocket(coordinator.address, b"rank-0", framer)
     try:
@@ -21,6 +22,7 @@ def _round_trip(address: str, framer: Framer | None = None) -> None:
         coordinator.send(b"rank-0", b"world")
         assert rank.recv(5.0) == b"world"
         assert rank.recv(0.05) is None
+        return coordinator.address
     finally:
         rank.close(linger_ms=0)
         coordinator.close()
@@ -36,11 +38,8 @@ def test_ipc_in_private_directory_removed_on_exit() -> None:
 
 
 def test_tcp_binds_a_free_port_on_the_given_interface() -> None:
-    coordinator = CoordinatorSocket(tcp_address("127.0.0.1", 0))
-    assert coordinator.address.startswith("tcp://127.0.0.1:")
-    address = coordinator.address
-    coordinator.close()
-    _round_trip(address)
+    address = _round_trip(tcp_address("127.0.0.1", 0))
+    assert address.startswith("tcp://127.0.0.1:") and not address.endswith(":0")
 
 
 class _Tagged(Framer):
