@@ -10,7 +10,10 @@ from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 from kernels import ops
 from kernels.rope import rope_cache
 
-torch.manual_seed(0)
+
+@pytest.fixture(autouse=True)
+def seeded() -> None:
+    torch.manual_seed(0)
 
 
 def close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-5) -> None:

@@ -1,0 +1,65 @@
+"""Cache sizing, state slots and step inputs of Qwen35Model (TP 1 and per-rank layouts)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from models.qwen35 import DecodeBatch, PrefillBatch, Qwen35Model
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir: Path) -> Qwen35Model:
+    return Qwen35Model.load(tiny_model_dir)
+
+
+def test_cache_sizes(tiny_model_dir: Path, model: Qwen35Model) -> None:
+    # 2 full-attention layers x K and V x 16 positions x 2 KV heads x 32 dims x 4 bytes
+    assert model.kv_bytes_per_page(16) == 2 * 2 * 16 * 2 * 32 * 4
+    # 2 GDN layers x (8 value heads x 16 x 16 fp32 + conv_dim 256 x (K-1) 3 x 4 bytes)
+    assert model.state_bytes_per_slot() == 2 * (8 * 16 * 16 * 4 + 256 * 3 * 4)
+    bf16_rank = Qwen35Model.load(tiny_model_dir, rank=3, world_size=4, dtype=torch.bfloat16)
+    # TP 4: one (replicated) KV head, 2 value heads, conv_dim 64; recurrent state stays fp32
+    assert bf16_rank.kv_bytes_per_page(16) == 2 * 2 * 16 * 1 * 32 * 2
+    assert bf16_rank.state_bytes_per_slot() == 2 * (2 * 16 * 16 * 4 + 64 * 3 * 2)
+
+
+def test_steps_before_allocate_cache(tiny_model_dir: Path) -> None:
+    fresh = Qwen35Model.load(tiny_model_dir)
+    with pytest.raises(RuntimeError, match="rank 0: prefill before allocate_cache"):
+        fresh.prefill(PrefillBatch.build([([1, 2], 0, 0, [0])]))
+    with pytest.raises(RuntimeError, match="rank 0: decode before allocate_cache"):
+        fresh.decode(DecodeBatch.build([(1, 0, 0, [0])]))
+
+
+def test_copy_state_and_padded_page_tables(model: Qwen35Model) -> None:
+    model.allocate_cache(num_pages_total=16, page_size=8, num_state_slots=4)
+    prompt = list(range(3, 40))
+    model.prefill(PrefillBatch.build([(prompt, 0, 0, [1, 2, 3, 4, 5])]))
+    model.copy_state(0, 3)
+    for gdn in (layer.linear_attention for layer in model.layers if layer.linear_attention):
+        assert torch.equal(gdn.recurrent_state[3], gdn.recurrent_state[0])
+        assert torch.equal(gdn.conv_state[3], gdn.conv_state[0])
+    # Both slots continue identically; the second row's table is padded to 9 pages.
+    rows = [(7, len(prompt), 0, [1, 2, 3, 4, 5]), (7, len(prompt), 3, [1, 2, 3, 4, 5])]
+    logits = model.decode(DecodeBatch.build(rows, max_pages=9))
+    assert torch.equal(logits[0], logits[1])
+    with pytest.raises(IndexError, match="rank 0: state slot 4 outside"):
+        model.copy_state(0, 4)
+
+
+def test_batch_builders() -> None:
+    batch = PrefillBatch.build([([5, 6, 7], 0, 2, [4]), ([8], 16, 1, [9, 3])])
+    assert batch.tokens.tolist() == [5, 6, 7, 8]
+    assert batch.cu_seqlens.tolist() == [0, 3, 4] and batch.cu_seqlens.dtype == torch.int32
+    assert batch.starts.tolist() == [0, 16] and batch.state_slots.dtype == torch.int64
+    assert batch.page_tables.tolist() == [[4, 4], [9, 3]]  # padded with a valid page
+    decode = DecodeBatch.build([(1, 5, 0, [2]), (3, 20, 1, [6, 7])], max_pages=4)
+    assert decode.page_table.tolist() == [[2, 2, 2, 2], [6, 7, 6, 6]]
+    assert decode.positions.dtype == torch.int64 and decode.page_table.dtype == torch.int32
+    with pytest.raises(ValueError, match="page table row 1 has 2 pages, more than max_pages=1"):
+        DecodeBatch.build([(1, 5, 0, [2]), (3, 20, 1, [6, 7])], max_pages=1)
+    with pytest.raises(ValueError, match="prefill chunk 0 has no tokens"):
+        PrefillBatch.build([([], 0, 0, [1])])
