@@ -11,6 +11,7 @@ rank 0's results do not match the step) the engine is poisoned: every open reque
 
 from __future__ import annotations
 
+import numbers
 import queue
 import threading
 from collections.abc import Callable
@@ -144,7 +145,7 @@ class Engine:
             request_id = self._ids.next()
             stream = RequestStream(request_id, self.cancel, self._forget)
             self._open[request_id] = stream
-            self._inbox.put(Request(request_id, list(prompt_ids), params, stream.push))
+            self._inbox.put(Request(request_id, [int(t) for t in prompt_ids], params, stream.push))
         return stream
 
     def cancel(self, request_id: int) -> None:
@@ -173,7 +174,7 @@ class Engine:
             raise ValueError("prompt is empty: at least one token is needed")
         vocab = self.model_info.vocab_size
         for index, token in enumerate(prompt_ids):
-            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
+            if isinstance(token, bool) or not isinstance(token, numbers.Integral) or not 0 <= token < vocab:
                 raise ValueError(
                     f"prompt token {token!r} at index {index} is outside the vocabulary [0, {vocab})"
                 )

@@ -169,6 +169,13 @@ class Scheduler:
         planned = self._plan_prefill(self.max_batch_tokens - len(rows))
         chunks = [chunk for _, chunk in planned]
         if not rows and not chunks:
+            if self.requests:
+                # Admission never lets the pool refuse a request when nothing runs (add() refuses
+                # any request larger than the pool), so open requests with nothing to run is a bug.
+                raise RuntimeError(
+                    f"scheduler stalled: {len(self.requests)} open requests and nothing to run "
+                    f"({len(self.waiting)} waiting, {self.pages.free} of {self.pages.total} pages free)"
+                )
             return False
         started = time.perf_counter()
         decoded: Sequence[TokenResult] = ()

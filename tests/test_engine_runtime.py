@@ -161,6 +161,16 @@ def test_greedy_matches_transformers_generate(engine: Engine, tiny_model_dir: Pa
         assert tokens == hf_greedy(tiny_model_dir, prompt, max_tokens, stop_at_eos=False)
         assert final == FinishEvent("length", len(prompt), max_tokens)
     prompt = cases[1][0]
+    events = list(engine.submit(prompt, GenerationParams(max_tokens=1, logprobs=3)))
+    with torch.no_grad():
+        reference = torch.log_softmax(hf_model(tiny_model_dir)(torch.tensor([prompt])).logits[0, -1], dim=-1)
+    top = torch.sort(reference, descending=True, stable=True)
+    first = events[0]
+    assert [token for token, _ in first.top_logprobs] == top.indices[:3].tolist()
+    assert [value for _, value in first.top_logprobs] == pytest.approx(top.values[:3].tolist(), abs=1e-4)
+    assert first.token_id == top.indices[0].item() and first.logprob == pytest.approx(
+        top.values[0].item(), abs=1e-4
+    )
     tokens, final = collect(engine.submit(prompt, GenerationParams(max_tokens=6)))
     expected = hf_greedy(tiny_model_dir, prompt, 6, stop_at_eos=True)
     assert tokens == expected
