@@ -223,6 +223,8 @@ def decode_rows(model, batches: list[int], args: argparse.Namespace, device: tor
         rows.append(
             Row(batch, step_ms, batch * 1e3 / step_ms, weight_bytes / (step_ms * 1e-3) / COPY_BANDWIDTH)
         )
+        # Printed as measured, so a run cut short still leaves its figures.
+        print(f"measured: {_row_line(rows[-1])}", flush=True)
     return rows
 
 
@@ -334,13 +336,17 @@ def _transformers_decode(
     return Row(batch, step_ms, batch * 1e3 / step_ms, weight_bytes / (step_ms * 1e-3) / COPY_BANDWIDTH)
 
 
+def _row_line(r: Row) -> str:
+    return f"| {r.batch} | {r.step_ms:.2f} | {r.tokens_per_s:.0f} | {r.roofline:.1%} |"
+
+
 def _table(title: str, rows: list[Row], prefill: float, prefill_len: int) -> str:
     lines = [
         title,
         "| batch | step ms | tokens/s | weight bytes / step time (of 4.3 TB/s) |",
         "|---|---|---|---|",
     ]
-    lines += [f"| {r.batch} | {r.step_ms:.2f} | {r.tokens_per_s:.0f} | {r.roofline:.1%} |" for r in rows]
+    lines += [_row_line(r) for r in rows]
     lines.append(f"prefill {prefill_len} tokens: {prefill:.1f} ms")
     return "\n".join(lines)
 
@@ -360,6 +366,7 @@ def run(args: argparse.Namespace) -> int:
     )
     rows = decode_rows(model, batches, args, device)
     prefill = prefill_ms(model, args.prefill_len, device)
+    print(f"measured: prefill {args.prefill_len} tokens {prefill:.1f} ms", flush=True)
     print(
         _table(
             f"phalanx {args.geometry} (eager, TP 1, {torch.cuda.get_device_name()})",
