@@ -58,6 +58,7 @@ class EngineConfig:
     startup_timeout: float = 120.0
     cuda_graph: bool = False
     transport: str = "ipc"
+    idle_ping_interval: float = 5.0  # an idle engine pings the ranks this often, to notice a dead one
     executor_options: dict[str, Any] = field(default_factory=dict)  # further ExecutorConfig fields
 
 
@@ -76,6 +77,8 @@ class EngineExecutor(StepExecutor, Protocol):
 
     model_info: Any
     poison_reason: str | None
+
+    def ping(self) -> None: ...
 
     def shutdown(self) -> None: ...
 
@@ -104,8 +107,11 @@ _STOP = object()
 
 
 class Engine:
-    def __init__(self, executor: EngineExecutor, model_dir: str | Path = "") -> None:
+    def __init__(
+        self, executor: EngineExecutor, model_dir: str | Path = "", idle_ping_interval: float = 5.0
+    ) -> None:
         self._executor = executor
+        self._idle_ping_interval = idle_ping_interval
         info = executor.model_info
         capacity = executor.capacity
         self.model_info = EngineModelInfo(
@@ -132,7 +138,7 @@ class Engine:
         cls, config: EngineConfig, launcher: Callable[[EngineConfig], EngineExecutor] = launch
     ) -> Engine:
         """Launch the ranks (blocking until they serve) and start the scheduler thread."""
-        return cls(launcher(config), config.model_dir)
+        return cls(launcher(config), config.model_dir, config.idle_ping_interval)
 
     # -- caller API -------------------------------------------------------------------------
 
@@ -198,8 +204,18 @@ class Engine:
             self._open.pop(request_id, None)
 
     def _drain(self, block: bool) -> bool:
-        """Move inbox items into the scheduler; returns False when asked to stop."""
-        item = self._inbox.get() if block else None
+        """Move inbox items into the scheduler; returns False when asked to stop.
+
+        While idle it pings the ranks now and then, so a rank that died between requests poisons
+        the engine (and shows in its health) before the next request is accepted.
+        """
+        item = None
+        if block:
+            try:
+                item = self._inbox.get(timeout=self._idle_ping_interval)
+            except queue.Empty:
+                self._executor.ping()
+                return True
         while True:
             if item is _STOP:
                 return False

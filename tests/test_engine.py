@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 from fake_ranks import FakeRanks
@@ -26,6 +27,8 @@ class DoubleExecutor(FakeRanks):
         self.poison_reason: str | None = None
         self.fail_decode = False
         self.shutdowns = 0
+        self.pings = 0
+        self.fail_ping = False
         self.gate = threading.Event()
         self.gate.set()
 
@@ -39,11 +42,17 @@ class DoubleExecutor(FakeRanks):
     def shutdown(self) -> None:
         self.shutdowns += 1
 
+    def ping(self) -> None:
+        self.pings += 1
+        if self.fail_ping:
+            self.poison_reason = "rank 0 exited with code -9 during ping"
+            raise ExecutorPoisoned(self.poison_reason)
+
 
 @pytest.fixture
 def engine():
     executor = DoubleExecutor(Capacity(kv_pages=16, page_size=4, max_slots=4, max_batch_tokens=8))
-    engine = Engine(executor, "/models/fake-model")
+    engine = Engine(executor, "/models/fake-model", idle_ping_interval=0.05)
     yield engine
     engine.shutdown()
 
@@ -139,4 +148,18 @@ def test_poison_gives_every_open_request_exactly_one_error(engine: Engine) -> No
     assert engine.poison_reason == "rank 1 failed during decode: injected"
     assert executor.shutdowns == 1
     with pytest.raises(RuntimeError, match="engine is poisoned: rank 1 failed"):
+        engine.submit([1], GenerationParams())
+
+
+def test_an_idle_engine_pings_and_notices_a_dead_rank(engine: Engine) -> None:
+    executor = engine._executor
+    deadline = time.monotonic() + 10
+    while executor.pings < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert executor.pings >= 2 and engine.poison_reason is None
+    executor.fail_ping = True
+    while engine.poison_reason is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.poison_reason == "rank 0 exited with code -9 during ping"
+    with pytest.raises(RuntimeError, match="engine is poisoned: rank 0 exited"):
         engine.submit([1], GenerationParams())

@@ -103,6 +103,7 @@ def engine(request, tiny_model_dir: Path):
         max_slots=MAX_SLOTS,
         max_batch_tokens=MAX_BATCH_TOKENS,
         step_timeout=60.0,
+        idle_ping_interval=3600.0,  # assert_idle_and_clean drives the executor from the test thread
     )
     engine = Engine.start(config, lambda c: HeldExecutor(launch(c)))
     yield engine
