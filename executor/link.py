@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Collection
 
 import structlog
 import zmq
@@ -69,9 +70,14 @@ class RankLink:
         liveness). Frames that fail decoding or carry a foreign epoch are dropped and counted.
         During startup a rank that does not know the epoch yet may send epoch 0."""
         events = dict(self._poller.poll(max(0.0, min(timeout_s, POLL_SLICE_S)) * 1000))
-        if any(rank.sentinel in events for rank in self.ranks):
+        exited = [rank for rank in self.ranks if rank.sentinel is not None and rank.sentinel in events]
+        if exited:
             # A rank exited: a failing rank sends Failed first, so give its last frame time to land.
             time.sleep(LAST_FRAME_GRACE_S)
+            # Its exit code tells the rest (first_death); a sentinel left registered would stay
+            # readable and turn every later wait into a busy loop.
+            for rank in exited:
+                self._poller.unregister(rank.sentinel)
         received: list[tuple[bytes, ReplyEnvelope]] = []
         while self.sock.socket.poll(0):
             try:
@@ -98,9 +104,12 @@ class RankLink:
                 received.append((identity, reply))
         return received
 
-    def first_death(self, local_only: bool = False) -> RankHandle | None:
+    def first_death(
+        self, local_only: bool = False, among: Collection[int] | None = None
+    ) -> RankHandle | None:
+        """The first rank that counts as dead, considering only ranks ``among`` (default all)."""
         for rank in self.ranks:
-            if local_only and not rank.local:
+            if (local_only and not rank.local) or (among is not None and rank.rank not in among):
                 continue
             if rank.death(self.heartbeat_timeout) is not None:
                 return rank

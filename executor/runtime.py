@@ -193,7 +193,8 @@ class Executor:
                 killed = self._link.killed_peer(exc.rank)
                 self._fail(str(exc) if killed is None else f"{killed.death(0.0)} during {op}")
             if not collection.done:
-                dead = self._link.first_death()
+                # A rank that already answered may leave (Shutdown); only a silent one is dead.
+                dead = self._link.first_death(among=collection.missing_ranks())
                 if dead is not None:
                     self._fail(f"{dead.death(self._link.heartbeat_timeout)} during {op}")
         return collection.replies
