@@ -49,8 +49,10 @@ def _device(config: WorkerConfig) -> torch.device:
         return torch.device("cuda", config.local_rank)
     if config.device != "cpu":
         raise ValueError(f"unknown device {config.device!r} (cpu or cuda)")
-    # Ranks on one host share its cores; oversubscribing them slows every collective.
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.world_size))
+    # Ranks on one host share its cores; oversubscribing them slows every collective. Spawned
+    # ranks all share this host; torchrun tells attached ranks how many share theirs.
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE") or config.world_size)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_here))
     return torch.device("cpu")
 
 
