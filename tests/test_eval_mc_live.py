@@ -19,7 +19,8 @@ from live_server import MODEL_NAME, REPO, live_server
 from tools.cli import main as phalanx
 from tools.evalmc.extract import extract_answer
 
-SUBJECTS = {"geography": 8, "arithmetic": 6, "colours": 4}
+SUBJECTS = {"geography": 16, "arithmetic": 12, "colours": 8}
+SAMPLE = 24
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +48,7 @@ def _dataset(path: Path) -> Path:
 def _argv(base_url: str, data: Path, out: Path) -> list[str]:
     return [
         "eval-mc", "--bench", "mmlu_redux", "--data", str(data), "--out", str(out), "--base-url", base_url,
-        "--max-tokens", "6", "--temperature", "0", "--concurrency", "2", "--sample", "15",
+        "--max-tokens", "6", "--temperature", "0", "--concurrency", "2", "--sample", str(SAMPLE),
     ]  # fmt: skip
 
 
@@ -64,22 +65,22 @@ def test_killed_run_resumes_without_losing_or_duplicating(base_url: str, tmp_pat
     while not (partial.exists() and len(partial.read_text().splitlines()) >= 4):
         assert process.poll() is None, "eval-mc finished before it could be killed"
         assert time.monotonic() < deadline, "eval-mc made no progress"
-        time.sleep(0.05)
+        time.sleep(0.02)
     os.kill(process.pid, signal.SIGKILL)
     process.wait()
     done_before = [json.loads(line)["idx"] for line in partial.read_text().splitlines()]
-    assert 4 <= len(done_before) < 15
+    assert 4 <= len(done_before) < SAMPLE
     with partial.open("a") as f:
-        f.write('{"idx": 14, "content": "Answer: B", "tor')  # a write cut by the kill
+        f.write('{"idx": 3, "content": "Answer: B", "tor')  # a write cut by the kill
 
     assert phalanx(_argv(base_url, data, out)) == 0
     summary = json.loads((out / "mmlu_redux_summary.json").read_text())
     samples = json.loads((out / "mmlu_redux_samples.json").read_text())
-    assert summary["n"] == 15 and summary["recovered_samples"] == len(done_before)
-    assert [s["idx"] for s in samples] == list(range(15))
+    assert summary["n"] == SAMPLE and summary["recovered_samples"] == len(done_before)
+    assert [s["idx"] for s in samples] == list(range(SAMPLE))
     rows = [json.loads(line) for line in partial.read_text().splitlines()]
-    assert sorted(r["idx"] for r in rows) == list(range(15))  # the torn line is gone, nothing twice
-    assert Counter(s["subject"] for s in samples) == {"geography": 7, "arithmetic": 5, "colours": 3}
+    assert sorted(r["idx"] for r in rows) == list(range(SAMPLE))  # the torn line is gone, nothing twice
+    assert Counter(s["subject"] for s in samples) == {"geography": 11, "arithmetic": 8, "colours": 5}
     assert summary["correct"] == sum(s["correct"] for s in samples)
     for s in samples:
         assert s["error"] is None and s["completion_tokens"] >= 1
@@ -89,7 +90,7 @@ def test_killed_run_resumes_without_losing_or_duplicating(base_url: str, tmp_pat
     assert phalanx(_argv(base_url, data, out)) == 0
     again = json.loads((out / "mmlu_redux_summary.json").read_text())
     assert (again["recovered_samples"], again["correct"], again["generated_tokens"]) == (
-        15,
+        SAMPLE,
         summary["correct"],
         0,
     )
