@@ -97,7 +97,11 @@ def _await_first_ping(link: RankLink, epoch: int, deadline: float, timeout: floa
         for _identity, reply in link.wait(remaining, epoch):
             if isinstance(reply.body, Failed):
                 raise _failure(reply.rank, reply.body)
-            if isinstance(reply.body, Ack) and reply.seq == FIRST_PING_SEQ:
+            if (
+                isinstance(reply.body, Ack)
+                and reply.seq == FIRST_PING_SEQ
+                and 0 <= reply.rank < len(link.ranks)
+            ):
                 answered.add(reply.rank)
         if len(answered) < len(link.ranks):
             _death(link, "startup:dist_init")
