@@ -18,6 +18,17 @@ def _defaults(_logger: object, _name: str, event: dict) -> dict:
     return event
 
 
+class _CurrentStderr:
+    """Writes each line to whatever ``sys.stderr`` is at that moment: a stream captured at
+    configuration time can be closed later (pytest's capture fixtures swap and close it)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure_logging(level: str = "info") -> None:
     """Install the key=value renderer once; later calls keep the first configuration."""
     global _configured
@@ -34,7 +45,7 @@ def configure_logging(level: str = "info") -> None:
             ),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(_CurrentStderr()),
     )
     _configured = True
 

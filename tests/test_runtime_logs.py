@@ -13,6 +13,7 @@ from worker import logs as worker_logs
 
 @pytest.fixture
 def captured(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
+    monkeypatch.setattr(executor_logs, "_configured", False)  # an earlier launch configured it
     yield capsys
     structlog.reset_defaults()
     structlog.contextvars.clear_contextvars()
