@@ -12,11 +12,29 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+from jinja2 import nodes
+from jinja2.ext import Extension
+from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 
 class ChatTemplateError(ValueError):
     """The template is missing, or rendering it failed (including the template's own raise_exception)."""
+
+
+class _GenerationBlock(Extension):
+    """``{% generation %}…{% endgeneration %}``: transformers marks assistant text with it (for
+    training masks); rendering a prompt just keeps the block's text."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Parser) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_render", []), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller: Any) -> str:
+        return caller()
 
 
 def _raise_exception(message: str) -> None:
@@ -45,7 +63,7 @@ def _token_text(value: Any) -> str | None:
 class ChatTemplate:
     def __init__(self, source: str, bos_token: str | None = None, eos_token: str | None = None) -> None:
         env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", _GenerationBlock]
         )
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
