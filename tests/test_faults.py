@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import tempfile
 import time
 from collections.abc import Iterator
@@ -238,6 +239,8 @@ def test_failed_weight_load_names_rank_and_phase(
         == "rank 1 failed during startup:load: InjectedFault: injected fault at load on rank 1"
     )
     assert (info.value.rank, info.value.phase) == (1, "startup:load")
+    assert sorted(info.value.exit_codes) == [0, 1]
+    assert all(code not in (None, 0) for code in info.value.exit_codes.values()), info.value.exit_codes
 
 
 def test_hung_distributed_init_aborts_within_the_watchdog_time(
@@ -250,6 +253,7 @@ def test_hung_distributed_init_aborts_within_the_watchdog_time(
     assert info.value.phase == "startup:dist_init"
     # The hung rank's watchdog aborts it; its peer fails (or is aborted) in the same phase.
     assert "during startup:dist_init" in str(info.value)
+    assert info.value.exit_codes[1] == -signal.SIGABRT  # only the watchdog's os.abort() ends a hung rank
     err = capfd.readouterr().err
     watchdog_lines = [line for line in err.splitlines() if "startup watchdog expired; aborting" in line]
     assert any("watchdog_rank=1" in line and "phase='startup:dist_init'" in line for line in watchdog_lines)
