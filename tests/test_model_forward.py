@@ -1,15 +1,15 @@
 """The model's logits match transformers' Qwen3_5ForCausalLM (fp32) at TP 1, 2 and 4.
 
-One set of scenarios (whole prompt, uneven chunks, prefill + 32 greedy decode steps, 4 requests
-batched together with one of them in its second chunk) runs once per model and TP degree; TP > 1
-runs them in one spawned gloo group per degree, one process per rank, and every rank's logits are
-checked. References come from transformers: a full forward over the prompt plus its 32-token
-greedy `generate` continuation.
+One set of scenarios (whole prompt, uneven chunks 1/3/64/rest, prefill + 32 greedy decode steps,
+4 requests prefilled and decoded together, one of them in its second chunk) runs per model (tied
+and untied) and TP degree. TP > 1 runs in spawned gloo ranks, one process per rank: 4 processes
+run TP=4, then ranks 0 and 1 re-form a TP=2 group, and every rank's logits are checked.
+References come from transformers: a full forward over the prompt plus its greedy `generate`
+continuation, which our greedy tokens must equal.
 """
 
 from __future__ import annotations
 
-import socket
 import tempfile
 import time
 from collections.abc import Iterator
@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 from models.qwen35 import DecodeBatch, PrefillBatch, Qwen35Model
 
 PAGE_SIZE = 16
-NEW_TOKENS = 32
+DECODE_STEPS = 32  # after the prefill: 33 greedy tokens in all, compared with generate
 PROMPT_LEN = 100  # > 64: transformers' chunked delta rule runs two chunks
 BATCH_LENS = (5, 17, 40, 70)
 CHUNKS = (1, 3, 64)  # then the rest
@@ -35,7 +35,7 @@ REL_TOL = 1e-4
 @dataclass
 class Reference:
     prompts: list[list[int]]  # prompt 0 is the long one, 1.. are the batch
-    continuations: list[list[int]]  # transformers' greedy tokens after each prompt (32 / 8 of them)
+    continuations: list[list[int]]  # transformers' greedy tokens after each prompt (33 / 8 of them)
     logits: list[torch.Tensor]  # [len(prompt) + len(continuation), vocab]
 
 
@@ -48,14 +48,14 @@ def hf_reference(model_dir: Path, seed: int) -> Reference:
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    hf.generation_config.eos_token_id = None  # always generate NEW_TOKENS tokens
+    hf.generation_config.eos_token_id = None  # never stop early
     hf.generation_config.pad_token_id = 0
     prompts = make_prompts(384, seed)
     continuations, logits = [], []
     with torch.no_grad():
         for i, prompt in enumerate(prompts):
             ids = torch.tensor([prompt])
-            new_tokens = NEW_TOKENS if i == 0 else BATCH_DECODE_STEPS
+            new_tokens = DECODE_STEPS + 1 if i == 0 else BATCH_DECODE_STEPS
             out = hf.generate(
                 ids, max_new_tokens=new_tokens, do_sample=False, attention_mask=torch.ones_like(ids)
             )
@@ -100,7 +100,7 @@ def run_scenarios(model: Qwen35Model, prompts: list[list[int]]) -> dict[str, tor
     results: dict[str, torch.Tensor] = {}
     pages = Pages()
     prompt = prompts[0]
-    total = len(prompt) + NEW_TOKENS
+    total = len(prompt) + DECODE_STEPS + 1
 
     whole_pages = pages.take(total)
     results["whole"] = model.prefill(PrefillBatch.build([(prompt, 0, 0, whole_pages)]), all_logits=True)
@@ -115,7 +115,7 @@ def run_scenarios(model: Qwen35Model, prompts: list[list[int]]) -> dict[str, tor
     # The chunked request then decodes from its carried state: prefill + 32 greedy steps.
     first = int(parts[-1][-1].argmax())
     results["decode"] = torch.cat(
-        [parts[-1][-1:], greedy_decode(model, [(first, len(prompt), 1, chunk_pages)], NEW_TOKENS - 1)[:, 0]]
+        [parts[-1][-1:], greedy_decode(model, [(first, len(prompt), 1, chunk_pages)], DECODE_STEPS)[:, 0]]
     )
 
     # Four requests prefilled together (the last one in its second chunk), then decoded together.
@@ -148,7 +148,7 @@ def check_against(results: dict[str, torch.Tensor], ref: Reference, label: str) 
     expected = {
         "whole": ref.logits[0][:n],
         "chunks": ref.logits[0][:n],
-        "decode": ref.logits[0][n - 1 : n - 1 + NEW_TOKENS],
+        "decode": ref.logits[0][n - 1 : n + DECODE_STEPS],
     }
     for name, want in expected.items():
         err = relative_error(results[name], want)
@@ -207,47 +207,50 @@ def test_tp1_matches_transformers(references: dict[str, tuple[Path, Reference]],
     check_against(run_scenarios(model, ref.prompts), ref, f"TP=1 {name}")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+TP_DEGREES = (4, 2)  # one spawned group of 4 processes; ranks 0 and 1 then re-form a TP=2 group
 
 
-def _rank_main(
-    rank: int, world_size: int, port: int, jobs: list[tuple[str, str, list[list[int]]]], out_dir: str
-) -> None:
+def _rank_main(rank: int, jobs: list[tuple[str, str, list[list[int]]]], out_dir: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    try:
-        for name, model_dir, prompts in jobs:
-            model = Qwen35Model.load(model_dir, rank=rank, world_size=world_size)
-            torch.save(run_scenarios(model, prompts), Path(out_dir) / f"{name}-rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    for world_size in TP_DEGREES:
+        if rank >= world_size:
+            return
+        rendezvous = f"file://{out_dir}/rendezvous-tp{world_size}"
+        dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world_size)
+        try:
+            for name, model_dir, prompts in jobs:
+                model = Qwen35Model.load(model_dir, rank=rank, world_size=world_size)
+                torch.save(
+                    run_scenarios(model, prompts), Path(out_dir) / f"tp{world_size}-{name}-rank{rank}.pt"
+                )
+        finally:
+            dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def tp_results(references: dict[str, tuple[Path, Reference]]) -> Iterator[Path]:
+    """Runs every scenario at each TP degree in spawned gloo ranks; yields the folder of results."""
+    jobs = [(name, str(model_dir), ref.prompts) for name, (model_dir, ref) in references.items()]
+    with tempfile.TemporaryDirectory() as out_dir:
+        context = mp.start_processes(
+            _rank_main, args=(jobs, out_dir), nprocs=max(TP_DEGREES), join=False, start_method="spawn"
+        )
+        deadline = time.monotonic() + 240
+        while not context.join(timeout=1):
+            if time.monotonic() > deadline:
+                for process in context.processes:
+                    process.kill()
+                pytest.fail("TP ranks did not finish within 240 s")
+        yield Path(out_dir)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_tensor_parallel_matches_transformers(
-    references: dict[str, tuple[Path, Reference]], world_size: int
+    references: dict[str, tuple[Path, Reference]], tp_results: Path, world_size: int
 ) -> None:
-    jobs = [(name, str(model_dir), ref.prompts) for name, (model_dir, ref) in references.items()]
-    with tempfile.TemporaryDirectory() as out_dir:
-        context = mp.start_processes(
-            _rank_main,
-            args=(world_size, _free_port(), jobs, out_dir),
-            nprocs=world_size,
-            join=False,
-            start_method="spawn",
-        )
-        deadline = time.monotonic() + 240
-        while not context.join(timeout=2):
-            if time.monotonic() > deadline:
-                for process in context.processes:
-                    process.kill()
-                pytest.fail(f"TP={world_size} ranks did not finish within 240 s")
-        for name, (_, ref) in references.items():
-            for rank in range(world_size):
-                results = torch.load(Path(out_dir) / f"{name}-rank{rank}.pt")
-                check_against(results, ref, f"TP={world_size} rank {rank} {name}")
+    for name, (_, ref) in references.items():
+        for rank in range(world_size):
+            results = torch.load(tp_results / f"tp{world_size}-{name}-rank{rank}.pt")
+            check_against(results, ref, f"TP={world_size} rank {rank} {name}")
