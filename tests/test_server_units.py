@@ -3,12 +3,13 @@ detokenizer, stop strings, reasoning split, and /health once the engine is poiso
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import json
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
@@ -22,8 +23,9 @@ from protocol.messages import Capacity
 from server.app import create_app
 from server.chat_template import ChatTemplate, ChatTemplateError
 from server.detokenizer import IncrementalDetokenizer, StopMatcher, TextTokenizer
-from server.generation import Generation
+from server.generation import Chunk, Done, Generation
 from server.metrics import ServerMetrics
+from server.openai_format import ChatFormat, Collected
 from server.reasoning import ReasoningSplitter
 
 # A Qwen-style template: system prompt first, tool messages, reasoning kept only in the last
@@ -232,3 +234,33 @@ def _wait(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not reached in time"
         time.sleep(0.01)
+
+
+def test_chat_format_separates_reasoning_streamed_and_whole(tiny_model_dir: Path) -> None:
+    tokenizer = TextTokenizer.from_model_dir(tiny_model_dir)
+    pieces = ["weigh", " it</thi", "nk>\n\nAnswer", ": B"]
+    done = Done("stop", 7, 4)
+
+    async def generation() -> AsyncIterator[Chunk | Done]:
+        for piece in pieces:
+            yield Chunk(piece)
+        yield done
+
+    async def stream() -> list[dict]:
+        fmt = ChatFormat(tokenizer, "tiny", want_logprobs=False, starts_in_reasoning=True)
+        return [chunk async for chunk in fmt.stream(generation(), include_usage=True)]  # type: ignore[arg-type]
+
+    chunks = asyncio.run(stream())
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "weigh it"
+    assert "".join(d.get("content", "") for d in deltas) == "Answer: B"
+    assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
+    assert chunks[-1]["usage"] == {"prompt_tokens": 7, "completion_tokens": 4, "total_tokens": 11}
+
+    fmt = ChatFormat(tokenizer, "tiny", want_logprobs=False, starts_in_reasoning=True)
+    whole = fmt.response(Collected("".join(pieces), [], done))
+    assert whole["choices"][0]["message"] == {
+        "role": "assistant",
+        "content": "Answer: B",
+        "reasoning_content": "weigh it",
+    }
