@@ -115,6 +115,8 @@ def _startup(sock: RankSocket, config: WorkerConfig) -> tuple[StepRunner, int] |
             world_size=config.world_size,
             device=device,
             dtype=_dtype(config),
+            # One bar per host is readable; CPU loads (tests, the demo) are too short to need one.
+            progress=config.device == "cuda" and config.local_rank == 0,
         )
         phase = "startup:capacity"
         local = size_capacity(config.limits, model, device, config.rank, config.cuda_graph)
