@@ -1,0 +1,80 @@
+"""The coordinator's link, in process over real sockets: what it drops, counts and notices."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from executor.link import DispatchError, RankLink
+from executor.ranks import RankHandle
+from protocol import PROTOCOL_VERSION, encode
+from protocol.messages import Ack, Heartbeat, ReplyEnvelope
+from protocol.transport import CoordinatorSocket, RankSocket, RuntimeDir
+
+EPOCH = 11
+
+
+@pytest.fixture
+def wired():
+    runtime = RuntimeDir()
+    sock = CoordinatorSocket(runtime.ipc_address())
+    ranks = [RankHandle(0), RankHandle(1)]  # remote ranks: watched through heartbeats
+    link = RankLink(sock, ranks, heartbeat_timeout=0.3)
+    peers = [RankSocket(sock.address, f"rank-{rank}".encode()) for rank in range(2)]
+    yield link, peers
+    for peer in peers:
+        peer.close(linger_ms=0)
+    sock.close()
+    runtime.remove()
+
+
+def _send(peer: RankSocket, rank: int, body, epoch: int = EPOCH, seq: int = 1) -> None:
+    peer.send(encode(ReplyEnvelope(PROTOCOL_VERSION, epoch, rank, seq, body)))
+
+
+def _drain(link: RankLink, epoch: int = EPOCH, startup: bool = False, seconds: float = 1.0):
+    received = []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        received += link.wait(0.05, epoch, startup)
+    return received
+
+
+def test_foreign_epoch_and_garbage_are_dropped_and_counted(wired) -> None:
+    link, peers = wired
+    _send(peers[0], 0, Ack(), epoch=EPOCH + 1)
+    peers[1].send(b"\x00not msgpack")
+    _send(peers[1], 1, Heartbeat(0.0))
+    _send(peers[0], 0, Ack())
+    received = _drain(link, seconds=0.5)
+    assert [(reply.rank, reply.body) for _identity, reply in received] == [(0, Ack())]
+    assert link.rejected_frames == 2
+
+
+def test_startup_accepts_epoch_zero_from_ranks_that_do_not_know_it_yet(wired) -> None:
+    link, peers = wired
+    _send(peers[0], 0, Ack(), epoch=0, seq=0)
+    _send(peers[1], 1, Ack(), epoch=5, seq=0)
+    received = _drain(link, startup=True, seconds=0.5)
+    assert [(identity, reply.rank) for identity, reply in received] == [(b"rank-0", 0)]
+    assert link.rejected_frames == 1
+
+
+def test_silent_remote_rank_is_dead_and_unreachable_rank_fails_dispatch(wired) -> None:
+    link, peers = wired
+    with pytest.raises(DispatchError, match="rank has not connected"):
+        link.broadcast(b"x")
+    for rank in link.ranks:
+        rank.identity = f"rank-{rank.rank}".encode()
+    started = time.monotonic()
+    while time.monotonic() - started < 0.6:  # rank 0 beats, rank 1 stays silent
+        _send(peers[0], 0, Heartbeat(time.time()))
+        link.wait(0.1, EPOCH)
+    dead = link.first_death()
+    assert dead is not None and dead.rank == 1
+    assert dead.death(0.3).startswith("rank 1 sent no heartbeat for ")
+    assert link.first_death(among=[0]) is None
+    link.ranks[1].identity = b"nobody"
+    with pytest.raises(DispatchError, match="failed to dispatch to rank 1"):
+        link.broadcast(b"x")
