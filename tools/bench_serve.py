@@ -22,6 +22,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+from tqdm import tqdm
 
 WORDS = [
     "time",
@@ -135,11 +136,15 @@ async def run_benchmark(args: argparse.Namespace, model: str) -> tuple[list[Requ
                 "stream_options": {"include_usage": True},
             }
             async with gate:
-                return await one_request(client, api, body)
+                result = await one_request(client, api, body)
+            bar.update(1)
+            return result
 
-        started = time.perf_counter()
-        results = await asyncio.gather(*(limited(p) for p in make_prompts(args)))
-        return list(results), time.perf_counter() - started
+        prompts = make_prompts(args)
+        with tqdm(total=len(prompts), desc="bench serve", unit="req") as bar:
+            started = time.perf_counter()
+            results = await asyncio.gather(*(limited(p) for p in prompts))
+            return list(results), time.perf_counter() - started
 
 
 def _stats_ms(values: list[float]) -> dict[str, float]:
