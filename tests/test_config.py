@@ -90,6 +90,7 @@ def test_legacy_rope_fields(tmp_path: Path) -> None:
         ),
         ({"eos_token_id": None}, "no eos_token_id"),
         ({"rope_parameters": {"rope_type": "yarn"}}, "rope_type='yarn' is not supported"),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
     ],
 )
 def test_config_errors(tmp_path: Path, change: dict, message: str) -> None:

@@ -63,3 +63,13 @@ def test_batch_builders() -> None:
         DecodeBatch.build([(1, 5, 0, [2]), (3, 20, 1, [6, 7])], max_pages=1)
     with pytest.raises(ValueError, match="prefill chunk 0 has no tokens"):
         PrefillBatch.build([([], 0, 0, [1])])
+
+
+def test_prefill_extent_checks(model: Qwen35Model) -> None:
+    model.allocate_cache(num_pages_total=8, page_size=8, num_state_slots=2)
+    with pytest.raises(
+        ValueError, match="rank 0: prefill chunk 1 reaches position 16 but its page table has 2 pages of 8"
+    ):
+        model.prefill(PrefillBatch.build([([1] * 3, 0, 0, [1]), ([2] * 9, 8, 1, [2, 3])]))
+    with pytest.raises(ValueError, match="reaches position 2049, beyond max_position_embeddings=2048"):
+        model.prefill(PrefillBatch.build([([1, 2], 2048, 0, [0] * 257)]))

@@ -109,6 +109,7 @@ def test_weight_errors_name_tensor_and_shapes(
     with pytest.raises(WeightError) as err:
         Qwen35Model.load(broken)
     assert message in str(err.value)
+    assert str(err.value).startswith("rank 0: checkpoint in ")
 
 
 def test_no_checkpoint_files(tiny_model_dir: Path, tmp_path: Path) -> None:

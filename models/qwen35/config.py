@@ -105,6 +105,9 @@ class Qwen35Config:
             eos_token_ids=_eos_token_ids(fields, generation or {}),
         )
         config._check_structure(source)
+        activation = fields.get("hidden_act", "silu")
+        if activation != "silu":
+            raise ConfigError(f"{source}: hidden_act={activation!r} is not supported (only 'silu')")
         return config
 
     def _check_structure(self, source: str) -> None:

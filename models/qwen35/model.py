@@ -69,9 +69,8 @@ class Qwen35Model:
         specs = tensor_specs(config, layout, include_lm_head=not config.tie_word_embeddings)
         checkpoint = Checkpoint(model_dir)
         # Tied checkpoints normally omit lm_head.weight; tolerate a redundant copy.
-        check_tensors(
-            checkpoint, specs, allow_extra=("lm_head.weight",) if config.tie_word_embeddings else ()
-        )
+        tolerated = ("lm_head.weight",) if config.tie_word_embeddings else ()
+        check_tensors(checkpoint, specs, allow_extra=tolerated, rank=rank)
         weights = read_slices(checkpoint, specs, dtype=dtype, device=device, rank=rank, progress=progress)
         model = cls(config, layout, weights, device, dtype)
         log.info(
@@ -149,6 +148,7 @@ class Qwen35Model:
         )
         positions = starts[chunk_of_token] + offsets
         page_tables = batch.page_tables.to(self.device)
+        self._check_prefill_extent(starts + lengths, page_tables.shape[1])
         pages = page_tables[chunk_of_token, positions // self.page_size].long()
         ctx = StepContext(
             positions=positions,
@@ -163,6 +163,20 @@ class Qwen35Model:
         if not all_logits:
             hidden = hidden[cu_seqlens[1:].long() - 1]
         return self._logits(hidden)
+
+    def _check_prefill_extent(self, ends: torch.Tensor, table_width: int) -> None:
+        """Each chunk's page table must cover its positions, and they must have RoPE entries."""
+        for chunk, end in enumerate(ends.tolist()):
+            if end > table_width * self.page_size:
+                raise ValueError(
+                    f"rank {self.rank}: prefill chunk {chunk} reaches position {end - 1} but its page "
+                    f"table has {table_width} pages of {self.page_size}"
+                )
+            if end > self.config.max_position_embeddings:
+                raise ValueError(
+                    f"rank {self.rank}: prefill chunk {chunk} reaches position {end - 1}, beyond "
+                    f"max_position_embeddings={self.config.max_position_embeddings}"
+                )
 
     @torch.inference_mode()
     def decode(self, batch: DecodeBatch) -> torch.Tensor:

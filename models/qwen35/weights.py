@@ -78,7 +78,7 @@ class Checkpoint:
 
 
 def check_tensors(
-    checkpoint: Checkpoint, specs: Sequence[TensorSpec], *, allow_extra: Sequence[str] = ()
+    checkpoint: Checkpoint, specs: Sequence[TensorSpec], *, allow_extra: Sequence[str] = (), rank: int = 0
 ) -> None:
     """Raise WeightError listing every missing, misshaped and unexpected tensor, with shapes."""
     problems: list[str] = []
@@ -100,7 +100,7 @@ def check_tensors(
         more = len(problems) - len(listed)
         suffix = f"; and {more} more" if more else ""
         raise WeightError(
-            f"checkpoint in {checkpoint.model_dir} does not match the model config: "
+            f"rank {rank}: checkpoint in {checkpoint.model_dir} does not match the model config: "
             + "; ".join(listed)
             + suffix
         )
