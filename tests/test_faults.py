@@ -156,7 +156,7 @@ def test_hang_poisons_at_the_step_timeout(tiny_model_dir: Path, monkeypatch: pyt
     with faulty_executor(tiny_model_dir, monkeypatch, "0:prefill:hang", step_timeout=1.0) as ex:
         reason, took = _poisoned(_prefill, ex, 1)
         assert reason == "prefill did not complete within 1 s: no reply from ranks [0]"
-        assert 1.0 <= took <= 1.0 + 0.5
+        assert 1.0 <= took <= 1.0 + 1.0
 
 
 def test_slow_reply_is_waited_for_then_ack_instead_of_payload_poisons(
@@ -194,11 +194,11 @@ def test_wrong_rank_is_out_of_range(tiny_model_dir: Path, monkeypatch: pytest.Mo
 
 def test_duplicate_reply_is_a_duplicate_rank(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Rank 0 answers late, so both copies of rank 1's reply fill the step's two places.
-    spec = "1:reply#2:duplicate,0:reply#2:slow=0.5"
+    spec = "1:reply#2:duplicate,0:reply#2:slow=30"
     with faulty_executor(tiny_model_dir, monkeypatch, spec, tp=2) as ex:
         reason, took = _poisoned(_prefill, ex, 1)
         assert reason == "prefill returned duplicate rank 1"
-        assert took < 0.5
+        assert took < 10  # decided without waiting for rank 0's late reply
 
 
 def test_slot_occupancy_mismatch_poisons_with_a_state_error(
