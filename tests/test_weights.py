@@ -201,3 +201,50 @@ def test_rank_slices(tiny_model_dir: Path, world_size: int) -> None:
         )
         assert torch.equal(model.embed.weight, rows(full["model.embed_tokens.weight"], rank * vocab, vocab))
         assert torch.equal(model.head.weight, rows(full["lm_head.weight"], rank * vocab, vocab))
+
+
+def test_rank_reads_only_its_slices(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every byte a TP=4 rank reads from the checkpoint ends up in its own weights."""
+    import models.qwen35.weights as weights
+
+    read_elements: dict[str, int] = {}
+    real_safe_open = weights.safe_open
+
+    class RecordingSlice:
+        def __init__(self, name: str, inner) -> None:  # noqa: ANN001 (safetensors PySafeSlice)
+            self.name, self.inner = name, inner
+
+        def get_shape(self) -> list[int]:
+            return self.inner.get_shape()
+
+        def __getitem__(self, index):  # noqa: ANN001, ANN204
+            part = self.inner[index]
+            read_elements[self.name] = read_elements.get(self.name, 0) + part.numel()
+            return part
+
+    class RecordingFile:
+        def __init__(self, *args, **kwargs) -> None:
+            self.inner = real_safe_open(*args, **kwargs)
+
+        def __enter__(self) -> RecordingFile:
+            self.inner.__enter__()
+            return self
+
+        def __exit__(self, *exc) -> None:
+            self.inner.__exit__(*exc)
+
+        def keys(self) -> list[str]:
+            return self.inner.keys()
+
+        def get_slice(self, name: str) -> RecordingSlice:
+            return RecordingSlice(name, self.inner.get_slice(name))
+
+    monkeypatch.setattr(weights, "safe_open", RecordingFile)
+    Qwen35Model.load(tiny_model_dir, rank=1, world_size=4)
+    full = load_file(tiny_model_dir / "model.safetensors")
+    replicated = ("norm.weight", "layernorm.weight")
+    for name, tensor in full.items():
+        expected = tensor.numel() if name.endswith(replicated) else tensor.numel() // 4
+        if ".self_attn.k_proj" in name or ".self_attn.v_proj" in name:
+            expected = tensor.numel() // 2  # 2 KV heads replicated over 4 ranks: one whole head
+        assert read_elements[name] == expected, name
