@@ -99,15 +99,25 @@ class CoordinatorSocket:
 class RankSocket:
     """A rank's DEALER connected to the coordinator."""
 
-    def __init__(self, address: str, identity: bytes, framer: Framer | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        identity: bytes,
+        framer: Framer | None = None,
+        options: dict[int, int] | None = None,
+    ) -> None:
+        """``options``: extra ZeroMQ socket options, set before connecting."""
         self._context = zmq.Context.instance()
         self._framer = framer or Framer()
         self.socket = _socket(self._context, zmq.DEALER)
         self.socket.setsockopt(zmq.IDENTITY, identity)
+        for option, value in (options or {}).items():
+            self.socket.setsockopt(option, value)
         self.socket.connect(address)
 
-    def send(self, payload: bytes) -> None:
-        self.socket.send_multipart(self._framer.seal(payload), copy=False)
+    def send(self, payload: bytes, block: bool = True) -> None:
+        """Queue ``payload``; with ``block`` False, raise ``zmq.Again`` instead of waiting."""
+        self.socket.send_multipart(self._framer.seal(payload), 0 if block else zmq.NOBLOCK, copy=False)
 
     def recv(self, timeout_s: float | None) -> bytes | None:
         """One payload, or None on timeout (``timeout_s`` None waits forever)."""

@@ -29,11 +29,13 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _start_rank(rank: int, model_dir: Path, coordinator: str, master_port: int) -> subprocess.Popen:
+def _start_rank(
+    rank: int, model_dir: Path, coordinator: str, master_port: int, world_size: int = 2, *extra: str
+) -> subprocess.Popen:
     env = dict(
         os.environ,
         RANK=str(rank),
-        WORLD_SIZE="2",
+        WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(master_port),
@@ -51,7 +53,7 @@ def _start_rank(rank: int, model_dir: Path, coordinator: str, master_port: int) 
     ]
     command += ["--device", "cpu", "--kv-pages", "32", "--page-size", "4", "--max-slots", "4"]
     command += ["--max-batch-tokens", "128", "--heartbeat-interval", "0.3", "--log-level", "warning"]
-    return subprocess.Popen(command, env=env, cwd=REPO)
+    return subprocess.Popen([*command, *extra], env=env, cwd=REPO)
 
 
 def test_torchrun_style_ranks_join_over_tcp_and_serve(
@@ -87,6 +89,45 @@ def test_torchrun_style_ranks_join_over_tcp_and_serve(
         if ex is not None:
             ex.shutdown()
         for process in ranks:
+            if process.poll() is None:
+                process.kill()
+                process.wait(10)
+
+
+COORDINATOR = """
+import sys, time
+from executor.launcher import launch_executor
+from tests.runtime_helpers import small_config
+launch_executor(small_config(sys.argv[1], 1, transport="tcp", attach=True, port=int(sys.argv[2])))
+print("serving", flush=True)
+time.sleep(600)
+"""
+
+
+def test_attached_rank_leaves_when_its_coordinator_dies(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PHALANX_SECRET", "torchrun-test-shared-secret")
+    port = _free_port()
+    rank = _start_rank(
+        0, tiny_model_dir, f"tcp://127.0.0.1:{port}", _free_port(), 1, "--coordinator-grace", "1"
+    )
+    coordinator = subprocess.Popen(
+        [sys.executable, "-c", COORDINATOR, str(tiny_model_dir), str(port)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert coordinator.stdout is not None
+        assert coordinator.stdout.readline().strip() == "serving"
+        coordinator.kill()
+        coordinator.wait(10)
+        killed_at = time.monotonic()
+        assert rank.wait(15) == 4  # EXIT_ORPHANED: it did not linger waiting for commands
+        assert time.monotonic() - killed_at < 5.0
+    finally:
+        for process in (coordinator, rank):
             if process.poll() is None:
                 process.kill()
                 process.wait(10)

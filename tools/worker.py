@@ -44,6 +44,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dist-init-timeout", type=float, default=60.0, help="startup watchdog, seconds")
     parser.add_argument("--gate-timeout", type=float, default=600.0, help="wait for Go/Cancel, seconds")
     parser.add_argument("--heartbeat-interval", type=float, default=0.5, help="seconds between heartbeats")
+    parser.add_argument(
+        "--coordinator-grace",
+        type=float,
+        default=10.0,
+        help="exit after this many seconds without a connection to the coordinator",
+    )
     parser.add_argument("--cuda-graph", action="store_true", help="decode from CUDA graphs")
     parser.add_argument("--log-level", default="info")
 
@@ -76,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
         dist_init_timeout=args.dist_init_timeout,
         gate_timeout=args.gate_timeout,
         heartbeat_interval=args.heartbeat_interval,
+        coordinator_grace=args.coordinator_grace,
         cuda_graph=args.cuda_graph,
         log_level=args.log_level,
         auth_key=key.hex(),

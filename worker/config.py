@@ -30,6 +30,7 @@ class WorkerConfig(msgspec.Struct, frozen=True):
     dist_init_timeout: float = 60.0  # the startup watchdog
     gate_timeout: float = 600.0  # how long to wait for Go/Cancel before giving up
     heartbeat_interval: float = 0.0  # > 0 for ranks the coordinator did not spawn
+    coordinator_grace: float = 10.0  # such ranks exit after this long without a coordinator
     log_level: str = "info"
     auth_key: str = ""  # hex HMAC-SHA256 key of the tcp control plane ("" on ipc: no authentication)
     cuda_graph: bool = False  # decode through per-bucket graphs (eager static buffers on CPU)

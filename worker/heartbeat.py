@@ -1,42 +1,87 @@
-"""Periodic Heartbeat frames from a rank the coordinator did not spawn (it cannot watch our pid).
+"""Periodic Heartbeat frames from a rank the coordinator did not spawn (it cannot watch our pid),
+and the other direction: such a rank leaves on its own when its coordinator is gone.
 
 The thread has its own socket (ZeroMQ sockets are not thread-safe) and keeps beating while the
-main thread computes, so a silent rank is a dead or frozen process, not a busy one.
+main thread computes, so a silent rank is a dead or frozen process, not a busy one. It also
+watches that socket's connection (ZMTP heartbeats catch a peer host that vanished without closing
+the connection): disconnected for longer than ``coordinator_grace_s`` means the coordinator is
+gone, and the rank exits, even from inside a wedged collective, rather than linger forever.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import os
+import sys
 import threading
 import time
+
+import structlog
+import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from protocol import PROTOCOL_VERSION, encode
 from protocol.messages import Heartbeat, ReplyEnvelope
 from protocol.transport import Framer, RankSocket
 
+log = structlog.get_logger("phalanx.worker")
+
+EXIT_ORPHANED = 4
+
 
 class HeartbeatThread:
     def __init__(
-        self, address: str, rank: int, epoch: int, interval_s: float, framer: Framer | None = None
+        self,
+        address: str,
+        rank: int,
+        epoch: int,
+        interval_s: float,
+        framer: Framer | None = None,
+        coordinator_grace_s: float = 10.0,
     ) -> None:
         self._address = address
         self._rank = rank
         self._epoch = epoch
         self._interval = interval_s
         self._framer = framer
+        self._grace = coordinator_grace_s
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._beat, name="phalanx-heartbeat", daemon=True)
+        context = contextvars.copy_context()  # log lines keep the rank/epoch/seq context
+        self._thread = threading.Thread(
+            target=context.run, args=(self._beat,), name="phalanx-heartbeat", daemon=True
+        )
 
     def start(self) -> None:
         self._thread.start()
 
     def _beat(self) -> None:
-        sock = RankSocket(self._address, f"heartbeat-{self._rank}".encode(), self._framer)
+        # ZMTP pings notice a coordinator host that vanished without closing the connection.
+        options = {zmq.HEARTBEAT_IVL: 1000, zmq.HEARTBEAT_TIMEOUT: 3000}
+        sock = RankSocket(self._address, f"heartbeat-{self._rank}".encode(), self._framer, options)
+        monitor = sock.socket.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        disconnected_since: float | None = None
         try:
             while not self._stop.is_set():
                 body = Heartbeat(time.time())
-                sock.send(encode(ReplyEnvelope(PROTOCOL_VERSION, self._epoch, self._rank, 0, body)))
+                # Nobody to send to right now: not an error, the connection watch below decides.
+                with contextlib.suppress(zmq.Again):
+                    frame = encode(ReplyEnvelope(PROTOCOL_VERSION, self._epoch, self._rank, 0, body))
+                    sock.send(frame, block=False)
+                while monitor.poll(0):
+                    event = recv_monitor_message(monitor)["event"]
+                    if event == zmq.EVENT_DISCONNECTED and disconnected_since is None:
+                        disconnected_since = time.monotonic()
+                    elif event == zmq.EVENT_CONNECTED:
+                        disconnected_since = None
+                if disconnected_since is not None and time.monotonic() - disconnected_since > self._grace:
+                    log.critical("coordinator unreachable; exiting", grace_s=self._grace)
+                    sys.stderr.flush()
+                    os._exit(EXIT_ORPHANED)
                 self._stop.wait(self._interval)
         finally:
+            sock.socket.disable_monitor()
+            monitor.close(linger=0)
             sock.close(linger_ms=0)
 
     def stop(self) -> None:

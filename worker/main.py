@@ -181,7 +181,12 @@ def run_worker(config: WorkerConfig) -> int:
         runner, epoch = started
         if config.heartbeat_interval > 0:
             heartbeat = HeartbeatThread(
-                config.coordinator, config.rank, epoch, config.heartbeat_interval, framer
+                config.coordinator,
+                config.rank,
+                epoch,
+                config.heartbeat_interval,
+                framer,
+                coordinator_grace_s=config.coordinator_grace,
             )
             heartbeat.start()
         loop = CommandLoop(sock, config.rank, epoch, runner)
