@@ -73,3 +73,7 @@ def test_prefill_extent_checks(model: Qwen35Model) -> None:
         model.prefill(PrefillBatch.build([([1] * 3, 0, 0, [1]), ([2] * 9, 8, 1, [2, 3])]))
     with pytest.raises(ValueError, match="reaches position 2049, beyond max_position_embeddings=2048"):
         model.prefill(PrefillBatch.build([([1, 2], 2048, 0, [0] * 257)]))
+    with pytest.raises(
+        ValueError, match=r"rank 0: prefill token id 512 is outside the vocabulary \[0, 512\)"
+    ):
+        model.prefill(PrefillBatch.build([([1, 512], 0, 0, [0])]))

@@ -149,6 +149,8 @@ class Qwen35Model:
         positions = starts[chunk_of_token] + offsets
         page_tables = batch.page_tables.to(self.device)
         self._check_prefill_extent(starts + lengths, page_tables.shape[1])
+        tokens = batch.tokens.to(self.device)
+        self._check_token_ids(tokens)
         pages = page_tables[chunk_of_token, positions // self.page_size].long()
         ctx = StepContext(
             positions=positions,
@@ -159,10 +161,18 @@ class Qwen35Model:
             page_tables=page_tables,
             has_initial_state=starts > 0,
         )
-        hidden = self._layers(batch.tokens.to(self.device), ctx)
+        hidden = self._layers(tokens, ctx)
         if not all_logits:
             hidden = hidden[cu_seqlens[1:].long() - 1]
         return self._logits(hidden)
+
+    def _check_token_ids(self, tokens: torch.Tensor) -> None:
+        low, high = int(tokens.min()), int(tokens.max())
+        if low < 0 or high >= self.config.vocab_size:
+            bad = low if low < 0 else high
+            raise ValueError(
+                f"rank {self.rank}: prefill token id {bad} is outside the vocabulary [0, {self.config.vocab_size})"
+            )
 
     def _check_prefill_extent(self, ends: torch.Tensor, table_width: int) -> None:
         """Each chunk's page table must cover its positions, and they must have RoPE entries."""
