@@ -20,6 +20,8 @@ log = structlog.get_logger(__name__)
 
 
 class Qwen35Model:
+    """One rank's shard of the model plus its caches; the interface the worker calls."""
+
     def __init__(
         self,
         config: Qwen35Config,
