@@ -83,6 +83,10 @@ def test_sync_and_async_streams_give_the_same_tokens(engine: Engine) -> None:
 
     events = asyncio.run(consume())
     assert [e.token_id for e in events[:-1]] == tokens and events[-1] == final
+    # The stats snapshot is published after the tick that emitted the final event.
+    deadline = time.monotonic() + 5.0
+    while engine.stats().kv_pages_used and time.monotonic() < deadline:
+        time.sleep(0.01)
     stats = engine.stats()
     assert stats.kv_pages_used == 0 and stats.slots_used == 0 and stats.steps > 0
 
