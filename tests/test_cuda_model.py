@@ -32,6 +32,19 @@ def greedy(model, prompt: list[int], new_tokens: int) -> tuple[list[int], list[t
     return tokens, logits
 
 
+def transformers_bf16(model_dir: Path):
+    """transformers in bf16 on the GPU, keeping the checkpoint's fp32 tensors fp32 as phalanx does."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(DEV).eval()
+    fp32 = dict(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).named_parameters())
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if name.endswith(("A_log", "linear_attn.norm.weight")):
+                param.data = fp32[name].data.to(DEV)
+    return hf
+
+
 def prompt_ids(n: int, seed: int = 0) -> list[int]:
     return torch.randint(0, 384, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -53,21 +66,22 @@ def test_tiny_logits_match_fp32_reference_within_bf16(tiny_model_dir: Path) -> N
     second = model.prefill(PrefillBatch.build([(prompt[37:], 37, 0, list(range(7)))], DEV), all_logits=True)
     got = torch.cat([first, second]).cpu()
     err = float((got - ref).norm() / ref.norm())
-    assert err <= 2e-2, f"bf16 CUDA logits vs fp32 reference: relative error {err:.3g}"
+    # bf16 tolerance, measured rather than guessed: transformers' own bf16 forward on the same
+    # prompt sets the scale of rounding error this random model amplifies.
+    with torch.no_grad():
+        hf_bf16 = transformers_bf16(tiny_model_dir)(input_ids=torch.tensor([prompt], device=DEV))
+    hf_err = float((hf_bf16.logits[0].float().cpu() - ref).norm() / ref.norm())
+    assert err <= 2 * hf_err + 5e-3, (
+        f"bf16 CUDA logits vs fp32 reference: relative error {err:.3g} (transformers bf16: {hf_err:.3g})"
+    )
 
 
 def test_tiny_greedy_tokens_match_transformers_bf16(tiny_model_dir: Path) -> None:
-    from transformers import AutoModelForCausalLM
 
     from models.qwen35 import Qwen35Model
 
     prompt = prompt_ids(40, seed=1)
-    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).to(DEV).eval()
-    fp32 = dict(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).named_parameters())
-    with torch.no_grad():  # the checkpoint's fp32 tensors stay fp32, as phalanx keeps them
-        for name, param in hf.named_parameters():
-            if name.endswith(("A_log", "linear_attn.norm.weight")):
-                param.data = fp32[name].data.to(DEV)
+    hf = transformers_bf16(tiny_model_dir)
     hf.generation_config.eos_token_id = None
     hf.generation_config.pad_token_id = 0
     ids = torch.tensor([prompt], device=DEV)
