@@ -86,7 +86,7 @@ class EngineExecutor(StepExecutor, Protocol):
 def launch(config: EngineConfig) -> EngineExecutor:
     from executor.launcher import ExecutorConfig, launch_executor
 
-    executor_config = ExecutorConfig(
+    fields: dict[str, Any] = dict(
         model_dir=str(config.model_dir),
         tp=config.tp,
         device=config.device,
@@ -98,9 +98,9 @@ def launch(config: EngineConfig) -> EngineExecutor:
         startup_timeout=config.startup_timeout,
         cuda_graph=config.cuda_graph,
         transport=config.transport,
-        **config.executor_options,
     )
-    return launch_executor(executor_config)
+    fields.update(config.executor_options)  # explicit ExecutorConfig fields win
+    return launch_executor(ExecutorConfig(**fields))
 
 
 _STOP = object()

@@ -4,6 +4,7 @@ rank that dies is noticed through its missing heartbeats, and the survivor is to
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -128,6 +129,31 @@ def test_attached_rank_leaves_when_its_coordinator_dies(
         assert time.monotonic() - killed_at < 5.0
     finally:
         for process in (coordinator, rank):
+            if process.poll() is None:
+                process.kill()
+                process.wait(10)
+
+
+def test_generate_attach_serves_through_ranks_started_elsewhere(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`phalanx generate --attach` spawns nothing: the torchrun-started ranks do the work, and the
+    tokens equal the in-process reference."""
+    monkeypatch.setenv("PHALANX_SECRET", "torchrun-test-shared-secret")
+    port, master_port = _free_port(), _free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    ranks = [_start_rank(rank, tiny_model_dir, address, master_port) for rank in range(2)]
+    try:
+        command = [sys.executable, "-m", "tools", "generate", "--model", str(tiny_model_dir)]
+        command += ["--tp", "2", "--attach", address, "--prompt-ids", ",".join(map(str, PROMPT))]
+        command += ["--max-tokens", "3", "--ignore-eos", "--json"]
+        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        want = [r.token for r in reference_generation(tiny_model_dir, PROMPT, 3)]
+        assert json.loads(done.stdout.strip().splitlines()[-1])["token_ids"] == want
+        assert [rank.wait(15) for rank in ranks] == [0, 0]  # shut down by the coordinator
+    finally:
+        for process in ranks:
             if process.poll() is None:
                 process.kill()
                 process.wait(10)

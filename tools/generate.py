@@ -15,6 +15,7 @@ from tokenizers import Tokenizer
 
 from executor.engine import Engine, EngineConfig, ErrorEvent, FinishEvent, GenerationParams, TokenEvent
 from executor.model_info import read_model_info
+from tools.launch_options import add_launch_arguments, executor_options
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="KV pages per rank (default: 512 on cpu, all that fit on cuda)",
     )
     parser.add_argument("--json", action="store_true", help='print {"token_ids", "text", "finish_reason"}')
-    parser.add_argument("--record", help="append every protocol frame to this trace (see phalanx replay)")
+    add_launch_arguments(parser)
 
 
 def parse_prompt_ids(text: str) -> list[int]:
@@ -94,7 +95,7 @@ def _generate(args: argparse.Namespace) -> int:
         device=args.device,
         kv_pages=kv_pages,
         cuda_graph=args.cuda_graph,
-        executor_options={"record": args.record} if args.record else {},
+        executor_options=executor_options(args),
     )
     with Engine.start(config) as engine:
         events = list(engine.submit(prompt_ids, params))

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import structlog
 
+from tools.launch_options import add_launch_arguments, executor_options
+
 log = structlog.get_logger("phalanx.serve")
 
 DEMO_TP = 2
@@ -53,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--step-timeout", type=float, default=300.0, help="seconds one engine step may take")
     parser.add_argument("--log-level", default="warning", help="uvicorn's access/error log level")
-    parser.add_argument("--record", help="append every protocol frame to this trace (see phalanx replay)")
+    add_launch_arguments(parser)
 
 
 def curl_line(base: str, model: str) -> str:
@@ -101,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
         max_batch_tokens=args.max_batch_tokens,
         step_timeout=args.step_timeout,
         cuda_graph=args.cuda_graph,
-        executor_options={"record": args.record} if args.record else {},
+        executor_options=executor_options(args),
     )
     try:
         sock = _listen(args.host, args.port)
