@@ -14,6 +14,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from executor.engine import Engine, EngineConfig, ErrorEvent, FinishEvent, GenerationParams, TokenEvent
+from executor.errors import ExecutorError
 from executor.model_info import read_model_info
 from tools.launch_options import add_launch_arguments, executor_options
 
@@ -57,6 +58,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"phalanx generate: error: {exc}", file=sys.stderr)
         return 2
+    except ExecutorError as exc:
+        print(f"phalanx generate: error: the replica did not start: {exc}", file=sys.stderr)
+        return 1
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import structlog
 
+from executor.errors import ExecutorError
 from tools.launch_options import add_launch_arguments, executor_options
 
 log = structlog.get_logger("phalanx.serve")
@@ -112,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         engine = Engine.start(config)
-    except (ValueError, RuntimeError, OSError) as e:
+    except (ValueError, RuntimeError, OSError, ExecutorError) as e:
         sock.close()
         print(f"phalanx serve: error: the replica did not start: {e}", file=sys.stderr)
         return 1

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 import traceback
 from datetime import timedelta
 
 import structlog
 import torch
+from tqdm import tqdm
 
 from protocol import PROTOCOL_VERSION, ProtocolError, decode_envelope, encode
 from protocol.auth import rank_authenticator
@@ -165,6 +167,9 @@ def _startup(sock: RankSocket, config: WorkerConfig) -> tuple[StepRunner, int] |
 
 def run_worker(config: WorkerConfig) -> int:
     configure_logging(config.rank, config.epoch, config.log_level)
+    # tqdm's default lock is a multiprocessing semaphore, which a rank leaving through os._exit
+    # leaks (the parent's resource tracker then warns); a rank's bars need only a thread lock.
+    tqdm.set_lock(threading.RLock())
     framer = rank_authenticator(bytes.fromhex(config.auth_key), config.rank) if config.auth_key else None
     sock = wrap_socket(RankSocket(config.coordinator, f"rank-{config.rank}".encode(), framer), config.rank)
     heartbeat: HeartbeatThread | None = None
