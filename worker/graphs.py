@@ -216,6 +216,10 @@ class DecodeGraphRunner:
         if bucket in self._captured:
             raise GraphError(f"pre-capture capture of bucket {bucket}, which is already captured")
         started = time.perf_counter()
+        if self.uses_cuda_graphs:
+            # What eager runs left cached would otherwise show up as memory the capture freed.
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
         before = _memory_in_use(self.device)
         self._stage_padding_only(bucket)
         if self.uses_cuda_graphs:
