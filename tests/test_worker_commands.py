@@ -122,6 +122,11 @@ class _Coordinator:
         self.runtime = RuntimeDir()
         self.sock = CoordinatorSocket(self.runtime.ipc_address())
         self.rank_sock = RankSocket(self.sock.address, b"rank-0")
+        # The coordinator's ROUTER refuses to route to a peer it has not heard from yet (as the
+        # launcher's ranks announce themselves with Ready): let the rank speak first.
+        self.rank_sock.send(b"hello")
+        if self.sock.recv(10.0) is None:
+            raise RuntimeError("the rank socket never reached the coordinator socket")
         self.loop = CommandLoop(self.rank_sock, 0, epoch, runner)
         self.epoch = epoch
         self.exit_code: int | None = None
@@ -140,6 +145,8 @@ class _Coordinator:
 
     def close(self) -> None:
         self.thread.join(10)
+        if self.thread.is_alive():  # closing a socket under a running loop would abort libzmq
+            raise RuntimeError("the command loop did not exit within 10 s")
         self.rank_sock.close(linger_ms=0)
         self.sock.close()
         self.runtime.remove()
