@@ -17,6 +17,20 @@ import torch
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>")
 TOKENIZER_VOCAB = 384  # byte alphabet + merges + specials
 MODEL_VOCAB = 512  # padded beyond the tokenizer, like the real checkpoints (divisible by 4)
+# Shared with `phalanx bench decode --geometry tiny`.
+TINY_GEOMETRY: dict[str, int] = dict(
+    vocab_size=MODEL_VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    linear_num_key_heads=4,
+    linear_num_value_heads=8,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+)
 
 CHAT_TEMPLATE = (
     "{%- for message in messages %}"
@@ -57,18 +71,8 @@ def tiny_text_config(*, tied: bool, eos_ids: list[int] | None = None):  # -> Qwe
     from transformers import Qwen3_5TextConfig
 
     return Qwen3_5TextConfig(
-        vocab_size=MODEL_VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
+        **TINY_GEOMETRY,
         layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        linear_num_key_heads=4,
-        linear_num_value_heads=8,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
         linear_conv_kernel_dim=4,
         tie_word_embeddings=tied,
         max_position_embeddings=2048,

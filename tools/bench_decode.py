@@ -18,24 +18,13 @@ from dataclasses import dataclass
 
 import torch
 
+from models.tiny import TINY_GEOMETRY
+
 COPY_BANDWIDTH = 4.3e12  # bytes/s, device-to-device copy measured on the H200 (read + write)
 PAGE_SIZE = 64
 
 GEOMETRIES: dict[str, dict[str, object]] = {
-    "tiny": dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        linear_num_key_heads=4,
-        linear_num_value_heads=8,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        vocab_size=512,
-        tie_word_embeddings=False,
-    ),
+    "tiny": dict(TINY_GEOMETRY, tie_word_embeddings=False),
     "0.8b": dict(
         hidden_size=1024,
         intermediate_size=3584,
