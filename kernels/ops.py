@@ -7,10 +7,12 @@ never imports CUDA-only code. Signatures and semantics are the contract in each 
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from kernels.activation import silu_and_mul_ref
 from kernels.attention import paged_decode_attention_ref, paged_prefill_attention_ref
@@ -18,6 +20,7 @@ from kernels.conv1d import causal_conv1d_decode_ref, causal_conv1d_prefill_ref
 from kernels.gdn import gated_delta_rule_decode_ref, gated_delta_rule_prefill_ref, gdn_gating_ref
 from kernels.gdn_step import gdn_decode_step_ref
 from kernels.kv_cache import write_kv_ref
+from kernels.linear import linear_ref, linear_silu_and_mul_ref
 from kernels.norms import gated_rms_norm_ref, rms_norm_ref
 from kernels.rope import apply_rope_ref, rope_cache
 from kernels.rope_kv import norm_rope_write_kv_ref
@@ -32,6 +35,8 @@ __all__ = [
     "norm_rope_write_kv",
     "gdn_decode_step",
     "gdn_gating",
+    "linear",
+    "linear_silu_and_mul",
     "paged_decode_attention",
     "paged_prefill_attention",
     "rms_norm",
@@ -41,6 +46,16 @@ __all__ = [
 ]
 
 _triton_cache: dict[str, Callable[..., Any]] = {}
+
+# Linears on CUDA: the Triton skinny GEMV/GEMM up to this many rows, cuBLAS (F.linear) above, where
+# the batch is wide enough for cuBLAS's tiles. PHALANX_LINEAR=cublas|triton|auto (read once, here)
+# forces one side for A/B runs; "triton" uses Triton at every M.
+LINEAR_TRITON_MAX_M = 64
+LINEAR_BACKENDS = ("auto", "cublas", "triton")
+LINEAR_BACKEND = os.environ.get("PHALANX_LINEAR", "auto").strip().lower() or "auto"
+if LINEAR_BACKEND not in LINEAR_BACKENDS:
+    raise ValueError(f"PHALANX_LINEAR={LINEAR_BACKEND!r} is not one of {', '.join(LINEAR_BACKENDS)}")
+_TRITON_LINEAR_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def _triton(module: str, name: str) -> Callable[..., Any]:
@@ -70,6 +85,28 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if x.is_cuda:
         return _triton("activation", "silu_and_mul")(x)
     return silu_and_mul_ref(x)
+
+
+def _triton_linear(x: torch.Tensor, w: torch.Tensor) -> bool:
+    if LINEAR_BACKEND == "cublas" or x.dtype not in _TRITON_LINEAR_DTYPES or w.stride(-1) != 1:
+        return False
+    return LINEAR_BACKEND == "triton" or x.shape[0] <= LINEAR_TRITON_MAX_M
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    if not x.is_cuda:
+        return linear_ref(x, w)
+    if _triton_linear(x, w):
+        return _triton("linear", "linear")(x, w)
+    return F.linear(x, w)
+
+
+def linear_silu_and_mul(x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
+    if not x.is_cuda:
+        return linear_silu_and_mul_ref(x, w_gate_up)
+    if _triton_linear(x, w_gate_up):
+        return _triton("linear", "linear_silu_and_mul")(x, w_gate_up)
+    return silu_and_mul(F.linear(x, w_gate_up))
 
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:

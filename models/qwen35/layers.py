@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from kernels import ops
 from models.qwen35.config import FULL_ATTENTION, Qwen35Config
@@ -62,7 +61,7 @@ class FullAttention:
     def __call__(self, x: torch.Tensor, ctx: StepContext, cos_sin: torch.Tensor) -> torch.Tensor:
         tokens, hd = x.shape[0], self.head_dim
         q_size, kv_size = self.num_heads * 2 * hd, self.num_kv_heads * hd
-        q_gate, k, v = F.linear(x, self.qkv_weight).split([q_size, kv_size, kv_size], dim=-1)
+        q_gate, k, v = ops.linear(x, self.qkv_weight).split([q_size, kv_size, kv_size], dim=-1)
         q, gate = q_gate.view(tokens, self.num_heads, 2 * hd).split([hd, hd], dim=-1)
         # q/k norms, partial RoPE and the paged K/V write in one op (one kernel on CUDA).
         q = ops.norm_rope_write_kv(
@@ -87,7 +86,7 @@ class FullAttention:
                 q, self.k_cache, self.v_cache, ctx.page_tables, ctx.seq_lens, self.scale
             )
         gated = attn.reshape(tokens, -1) * torch.sigmoid(gate.reshape(tokens, -1))
-        return self.tp.all_reduce(F.linear(gated, self.o_weight))
+        return self.tp.all_reduce(ops.linear(gated, self.o_weight))
 
 
 class GatedDeltaNet:
@@ -126,7 +125,7 @@ class GatedDeltaNet:
     def __call__(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         tokens = x.shape[0]
         z_size = self.value_heads * self.value_dim
-        qkv, z, b, a = F.linear(x, self.in_weight).split(
+        qkv, z, b, a = ops.linear(x, self.in_weight).split(
             [self.conv_dim, z_size, self.value_heads, self.value_heads], dim=-1
         )
         if not ctx.is_prefill:  # conv, gates, delta rule and gated norm in one op (one kernel on CUDA)
@@ -144,7 +143,7 @@ class GatedDeltaNet:
                 self.recurrent_state,
                 ctx.state_slots,
             )
-            return self.tp.all_reduce(F.linear(y.reshape(tokens, -1), self.out_weight))
+            return self.tp.all_reduce(ops.linear(y.reshape(tokens, -1), self.out_weight))
         mixed = ops.causal_conv1d_prefill(
             qkv, self.conv_weight, self.conv_state, ctx.state_slots, ctx.cu_seqlens, ctx.has_initial_state
         )
@@ -158,7 +157,7 @@ class GatedDeltaNet:
             q, k, v, g, beta, self.recurrent_state, ctx.state_slots, ctx.cu_seqlens, ctx.has_initial_state
         )
         y = ops.gated_rms_norm(o, z.reshape(tokens, self.value_heads, self.value_dim), self.norm, self.eps)
-        return self.tp.all_reduce(F.linear(y.reshape(tokens, -1), self.out_weight))
+        return self.tp.all_reduce(ops.linear(y.reshape(tokens, -1), self.out_weight))
 
 
 class MLP:
@@ -170,8 +169,8 @@ class MLP:
         self.tp = tp
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = ops.silu_and_mul(F.linear(x, self.gate_up_weight))
-        return self.tp.all_reduce(F.linear(hidden, self.down_weight))
+        hidden = ops.linear_silu_and_mul(x, self.gate_up_weight)
+        return self.tp.all_reduce(ops.linear(hidden, self.down_weight))
 
 
 class DecoderLayer:

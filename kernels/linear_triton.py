@@ -1,0 +1,245 @@
+"""Triton skinny linears for decode: ``y = x @ w.T`` with small M, same contract as ``kernels/linear.py``.
+
+Batch-1 decode is bound by reading the weights once, so the kernels are built for bandwidth:
+
+- **GEMV** (M <= ``GEMV_MAX_M``): every program streams ``BLOCK_N`` weight rows through wide,
+  contiguous ``BLOCK_K`` loads and keeps an fp32 partial product per element, reduced over K only
+  once at the end (no per-iteration shuffles). Small ``BLOCK_N`` gives thousands of programs, so
+  every SM has several resident and many bytes in flight. M = 1 has its own kernel (2-D
+  accumulator); M in 2..8 broadcasts the weight tile over the rows of x (3-D accumulator).
+- **Skinny GEMM** (larger M): ``tl.dot`` with the operands swapped (``y.T = w @ x.T``), so the weight
+  tile fills the MMA's wide M side (16..128 rows) and the batch (16/32/64) its narrow N side.
+- ``*_silu_and_mul``: the MLP's gate_up weight ``[2I, K]``; each program reads gate rows ``j`` and
+  the matching up rows ``j + I`` and writes ``silu(gate) * up``: one launch, no ``[M, 2I]`` round trip.
+
+Split-K is left out on purpose: combining partial sums costs a zeroed fp32 buffer (memset) plus a
+convert launch, more than it saves inside a CUDA graph where each launch is ~1-2 µs.
+
+Autotuning and CUDA graphs: each kernel is tuned per (N, K, power-of-2 bucket of M, fused or not);
+the bucket is a kernel argument (``BLOCK_M``), never M itself. Decode graph buckets are powers of 2
+(worker/buckets.py), and the graph sweep's Warmup phase runs one eager decode step per bucket with
+exactly the bucket's row count before any Capture (worker/graphs.py), so every tuning key a captured
+graph uses has been tuned eagerly first and capture never benchmarks. Under ``TRITON_INTERPRET=1``
+(CPU tests) autotuning is bypassed with one small fixed config, and ``tl.dot`` operands are upcast
+to fp32 because the interpreter computes bf16 dot products wrongly.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+GEMV_MAX_M = 8  # up to here the broadcast GEMV; above it the tl.dot skinny GEMM
+_DOT_MIN_M = 16  # tl.dot needs every block dimension >= 16
+_DOT_MAX_BLOCK_M = 64
+# fp32 partial products each thread may hold in the GEMV accumulators (the rest of the register
+# file holds the loaded tiles); configs above it would spill.
+_GEMV_ACC_REGS = 64
+
+
+@triton.jit
+def _gemv_m1_kernel(
+    x_ptr, w_ptr, y_ptr, N, K, inter, stride_wn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU_MUL: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    cols = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + cols
+        k_mask = k < K
+        x = tl.load(x_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
+        tile_mask = row_mask[:, None] & k_mask[None, :]
+        w = tl.load(w_ptr + rows[:, None] * stride_wn + k[None, :], mask=tile_mask, other=0.0)
+        acc += w.to(tl.float32) * x[None, :]
+        if SILU_MUL:
+            up_rows = rows + inter
+            w_up = tl.load(w_ptr + up_rows[:, None] * stride_wn + k[None, :], mask=tile_mask, other=0.0)
+            acc_up += w_up.to(tl.float32) * x[None, :]
+    out = tl.sum(acc, axis=1)
+    if SILU_MUL:
+        out = out * tl.sigmoid(out) * tl.sum(acc_up, axis=1)
+    tl.store(y_ptr + rows, out.to(y_ptr.dtype.element_ty), mask=row_mask)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, y_ptr, M, N, K, inter, stride_xm, stride_wn, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU_MUL: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    ms = tl.arange(0, BLOCK_M)
+    m_mask = ms < M
+    cols = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + cols
+        k_mask = k < K
+        x_mask = m_mask[:, None] & k_mask[None, :]
+        x = tl.load(x_ptr + ms[:, None] * stride_xm + k[None, :], mask=x_mask, other=0.0).to(tl.float32)
+        tile_mask = row_mask[:, None] & k_mask[None, :]
+        w = tl.load(w_ptr + rows[:, None] * stride_wn + k[None, :], mask=tile_mask, other=0.0)
+        acc += x[:, None, :] * w.to(tl.float32)[None, :, :]
+        if SILU_MUL:
+            up_rows = rows + inter
+            w_up = tl.load(w_ptr + up_rows[:, None] * stride_wn + k[None, :], mask=tile_mask, other=0.0)
+            acc_up += x[:, None, :] * w_up.to(tl.float32)[None, :, :]
+    out = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
+    if SILU_MUL:
+        out = out * tl.sigmoid(out) * tl.sum(acc_up, axis=2)
+    y_ptrs = y_ptr + ms[:, None] * stride_ym + rows[None, :]
+    tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & row_mask[None, :])
+
+
+@triton.jit
+def _skinny_gemm_kernel(
+    x_ptr, w_ptr, y_ptr, M, N, K, inter, stride_xm, stride_wn, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU_MUL: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    ms = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = ms < M
+    cols = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # y.T tile
+    acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + cols
+        k_mask = k < K
+        x = tl.load(
+            x_ptr + ms[:, None] * stride_xm + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0
+        )
+        tile_mask = row_mask[:, None] & k_mask[None, :]
+        w = tl.load(w_ptr + rows[:, None] * stride_wn + k[None, :], mask=tile_mask, other=0.0)
+        if DOT_F32:
+            x = x.to(tl.float32)
+            w = w.to(tl.float32)
+        x_t = tl.trans(x)
+        acc += tl.dot(w, x_t)
+        if SILU_MUL:
+            up_rows = rows + inter
+            w_up = tl.load(w_ptr + up_rows[:, None] * stride_wn + k[None, :], mask=tile_mask, other=0.0)
+            if DOT_F32:
+                w_up = w_up.to(tl.float32)
+            acc_up += tl.dot(w_up, x_t)
+    if SILU_MUL:
+        acc = acc * tl.sigmoid(acc) * acc_up
+    y_ptrs = y_ptr + ms[None, :] * stride_ym + rows[:, None]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_mask[:, None] & m_mask[None, :])
+
+
+def _config(block_n: int, block_k: int, warps: int, stages: int = 3) -> triton.Config:
+    return triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k}, num_warps=warps, num_stages=stages)
+
+
+# (BLOCK_N, BLOCK_K, warps): from one row per program with very long loads to 32 rows with short ones.
+_GEMV_CONFIGS = [
+    _config(n, k, w)
+    for n, k, w in [
+        (1, 1024, 4), (1, 2048, 4), (1, 2048, 8), (2, 512, 4), (2, 1024, 4), (2, 1024, 8),
+        (4, 256, 4), (4, 512, 4), (4, 512, 8), (4, 1024, 8), (8, 128, 4), (8, 256, 4),
+        (8, 256, 8), (8, 512, 8), (16, 64, 4), (16, 128, 4), (16, 256, 8), (32, 64, 4),
+        (32, 128, 8), (2, 256, 2), (4, 128, 2), (8, 64, 2),
+    ]
+]  # fmt: skip
+# (BLOCK_N, BLOCK_K, warps, stages): weight rows per program x K depth x pipeline depth.
+_GEMM_CONFIGS = [
+    _config(n, k, w, s)
+    for n, k, w, s in [
+        (16, 128, 4, 4), (16, 256, 4, 3), (16, 256, 4, 4), (16, 512, 4, 3), (32, 128, 4, 4),
+        (32, 256, 4, 3), (32, 256, 4, 4), (32, 128, 4, 5), (64, 64, 4, 5), (64, 128, 4, 3),
+        (64, 128, 4, 4), (64, 256, 4, 3), (64, 256, 8, 3), (128, 64, 4, 4), (128, 128, 8, 3),
+        (128, 128, 4, 4), (128, 64, 8, 5), (32, 64, 2, 6), (16, 128, 2, 5), (64, 64, 8, 4),
+    ]
+]  # fmt: skip
+_FIXED_INTERPRETER_CONFIG: dict[str, Any] = {"BLOCK_N": 16, "BLOCK_K": 32}
+
+
+def _prune_gemv(
+    configs: list[triton.Config], named_args: dict[str, Any], **kwargs: Any
+) -> list[triton.Config]:
+    """Drop configs whose accumulators (BLOCK_M x BLOCK_N x BLOCK_K fp32, twice if fused) would spill."""
+    args = {**named_args, **kwargs}
+    width = args["BLOCK_M"] * (2 if args["SILU_MUL"] else 1)
+
+    def acc_regs(cfg: triton.Config) -> float:
+        return width * cfg.kwargs["BLOCK_N"] * cfg.kwargs["BLOCK_K"] / (32 * cfg.num_warps)
+
+    fitting = [cfg for cfg in configs if acc_regs(cfg) <= _GEMV_ACC_REGS]
+    return fitting or [min(configs, key=acc_regs)]
+
+
+def _autotuned(kernel: Any, configs: list[triton.Config], prune: Any = None) -> Any:
+    if _INTERPRET:
+        return kernel
+    pruning = {"early_config_prune": prune} if prune is not None else None
+    return triton.autotune(configs, key=["N", "K", "BLOCK_M", "SILU_MUL"], prune_configs_by=pruning)(kernel)
+
+
+_gemv_m1 = _autotuned(_gemv_m1_kernel, _GEMV_CONFIGS, _prune_gemv)
+_gemv = _autotuned(_gemv_kernel, _GEMV_CONFIGS, _prune_gemv)
+_skinny_gemm = _autotuned(_skinny_gemm_kernel, _GEMM_CONFIGS)
+
+
+def _fixed_config() -> dict[str, Any]:
+    return dict(_FIXED_INTERPRETER_CONFIG) if _INTERPRET else {}
+
+
+def _check(x: torch.Tensor, w: torch.Tensor, op: str) -> None:
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"{op}: x {tuple(x.shape)} and w {tuple(w.shape)} are not [M, K] and [N, K]")
+    if w.stride(1) != 1:
+        raise ValueError(f"{op}: weight {tuple(w.shape)} must have contiguous rows, strides {w.stride()}")
+    if x.dtype != w.dtype:
+        raise ValueError(f"{op}: x dtype {x.dtype} differs from weight dtype {w.dtype}")
+
+
+def _launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, n_out: int, silu_mul: bool) -> torch.Tensor:
+    """y[:, :n_out] = x @ w.T (or the fused silu(gate) * up over rows j and j + n_out)."""
+    m, k = x.shape
+    if m == 0 or n_out == 0:
+        return y
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if m == 1:
+        grid = lambda meta: (triton.cdiv(n_out, meta["BLOCK_N"]),)  # noqa: E731
+        _gemv_m1[grid](x, w, y, n_out, k, n_out, w.stride(0), BLOCK_M=1, SILU_MUL=silu_mul, **_fixed_config())
+    elif m <= GEMV_MAX_M:
+        grid = lambda meta: (triton.cdiv(n_out, meta["BLOCK_N"]),)  # noqa: E731
+        _gemv[grid](
+            x, w, y, m, n_out, k, n_out, x.stride(0), w.stride(0), y.stride(0),
+            BLOCK_M=triton.next_power_of_2(m), SILU_MUL=silu_mul, **_fixed_config(),
+        )  # fmt: skip
+    else:
+        block_m = min(max(triton.next_power_of_2(m), _DOT_MIN_M), _DOT_MAX_BLOCK_M)
+        grid = lambda meta: (triton.cdiv(n_out, meta["BLOCK_N"]), triton.cdiv(m, block_m))  # noqa: E731
+        _skinny_gemm[grid](
+            x, w, y, m, n_out, k, n_out, x.stride(0), w.stride(0), y.stride(0),
+            BLOCK_M=block_m, SILU_MUL=silu_mul, DOT_F32=_INTERPRET, **_fixed_config(),
+        )  # fmt: skip
+    return y
+
+
+def linear_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    _check(x, w, "linear")
+    y = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
+    return _launch(x, w, y, w.shape[0], silu_mul=False)
+
+
+def linear_silu_and_mul_triton(x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
+    _check(x, w_gate_up, "linear_silu_and_mul")
+    if w_gate_up.shape[0] % 2:
+        raise ValueError(f"linear_silu_and_mul: gate_up weight has an odd row count {w_gate_up.shape[0]}")
+    inter = w_gate_up.shape[0] // 2
+    y = torch.empty((x.shape[0], inter), dtype=x.dtype, device=x.device)
+    return _launch(x, w_gate_up, y, inter, silu_mul=True)

@@ -1,0 +1,134 @@
+"""The Triton linears (GEMV, skinny GEMM, fused gate_up + SiLU-and-mul) against their references.
+
+Runs on CPU under ``TRITON_INTERPRET=1`` in one child process (this file as a script), like
+test_kernels_triton.py: the interpreter must be on before Triton compiles anything and must not
+leak into other tests. Row counts cover each path (M = 1; the GEMV at 3 and 8; the tl.dot GEMM at
+17 and 64 and with more rows than one block), sizes that are not multiples of any block, and
+non-contiguous x rows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+BF16 = torch.bfloat16
+ROWS = (1, 3, 8, 17, 64, 80)
+SHAPES = ((37, 100), (64, 64), (19, 130))  # (N, K) of the plain linear; the fused op gets [2N, K]
+TOLERANCE = 1e-2  # relative, bf16 outputs
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    if out.shape != ref.shape or not torch.isfinite(out).all():
+        return float("inf")
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-12))
+
+
+def _case(m: int, n: int, k: int) -> dict[str, float]:
+    from kernels.linear import linear_ref, linear_silu_and_mul_ref
+    from kernels.linear_triton import linear_silu_and_mul_triton, linear_triton
+
+    x = torch.randn(m, k).to(BF16)
+    w = (torch.randn(n, k) * k**-0.5).to(BF16)
+    w_gate_up = (torch.randn(2 * n, k) * k**-0.5).to(BF16)
+    strided_x = torch.randn(m, k + 9).to(BF16)[:, 3 : 3 + k]  # row stride != K
+    return {
+        "linear": _rel(linear_triton(x, w), linear_ref(x, w)),
+        "fused": _rel(linear_silu_and_mul_triton(x, w_gate_up), linear_silu_and_mul_ref(x, w_gate_up)),
+        "strided_x": _rel(linear_triton(strided_x, w), linear_ref(strided_x, w)),
+    }
+
+
+def _run_cases() -> None:
+    torch.manual_seed(0)
+    for m in ROWS:
+        for n, k in SHAPES:
+            name = f"m{m}_n{n}_k{k}"
+            try:
+                record: dict[str, object] = {"name": name, "errors": _case(m, n, k)}
+            except Exception:
+                record = {"name": name, "exception": traceback.format_exc()}
+            print(json.dumps(record), flush=True)
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict[str, dict[str, object]]:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, __file__], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    records = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            record = json.loads(line)
+            records[record["name"]] = record
+    if not records:
+        raise RuntimeError(
+            f"interpreter checks produced no results (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
+        )
+    return records
+
+
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_triton_linear_matches_reference(
+    m: int, n: int, k: int, interpreted: dict[str, dict[str, object]]
+) -> None:
+    record = interpreted.get(f"m{m}_n{n}_k{k}")
+    assert record is not None, f"case m={m} n={n} k={k} did not report"
+    assert "exception" not in record, record.get("exception")
+    errors = record["errors"]
+    assert isinstance(errors, dict)
+    for key, err in errors.items():
+        assert err <= TOLERANCE, f"m={m} n={n} k={k} {key}: relative error {err:.3g} > {TOLERANCE}"
+
+
+def test_cpu_dispatch_uses_the_references() -> None:
+    from kernels import ops
+    from kernels.linear import linear_ref, linear_silu_and_mul_ref
+
+    x, w = torch.randn(3, 16), torch.randn(10, 16)
+    assert torch.equal(ops.linear(x, w), linear_ref(x, w))
+    assert torch.equal(ops.linear_silu_and_mul(x, w), linear_silu_and_mul_ref(x, w))
+    assert ops.linear_silu_and_mul(x, w).shape == (3, 5)
+
+
+def test_triton_linear_rejects_mismatched_shapes() -> None:
+    from kernels.linear_triton import linear_silu_and_mul_triton, linear_triton
+
+    with pytest.raises(ValueError, match=r"linear: x \(2, 8\) and w \(4, 6\) are not \[M, K\] and \[N, K\]"):
+        linear_triton(torch.zeros(2, 8), torch.zeros(4, 6))
+    with pytest.raises(ValueError, match="linear_silu_and_mul: gate_up weight has an odd row count 5"):
+        linear_silu_and_mul_triton(torch.zeros(2, 8), torch.zeros(5, 8))
+    with pytest.raises(ValueError, match="must have contiguous rows"):
+        linear_triton(torch.zeros(2, 8), torch.zeros(8, 4).t())
+
+
+def test_unknown_linear_backend_is_refused() -> None:
+    env = {**os.environ, "PHALANX_LINEAR": "magma", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-c", "import kernels.ops"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode != 0
+    assert "PHALANX_LINEAR='magma' is not one of auto, cublas, triton" in proc.stderr
+
+
+if __name__ == "__main__":
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("run with TRITON_INTERPRET=1 (pytest does this)")
+    sys.path.insert(0, str(ROOT))
+    _run_cases()
