@@ -87,6 +87,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--profile", action="store_true", help="print the top GPU kernels of one step per batch"
     )
+    parser.add_argument(
+        "--tp",
+        default="1",
+        help="comma-separated TP degrees, e.g. 1,2,4: each spawns that many ranks (one GPU each, NCCL)",
+    )
+    parser.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="cpu: the multi-rank path on gloo with fp32 weights (a check of the code path, not a benchmark)",
+    )
+    parser.add_argument(
+        "--json", default=None, help="also write the multi-rank table, ratios and logits check to this file"
+    )
 
 
 def config_dict(geometry: str) -> dict[str, object]:
@@ -341,6 +355,11 @@ def _table(title: str, rows: list[Row], prefill: float, prefill_len: int) -> str
 
 
 def run(args: argparse.Namespace) -> int:
+    from tools.bench_decode_tp import multi_rank_requested, run_tp
+
+    # --tp other than 1 alone, --device cpu or --json: spawned ranks (tools/bench_decode_tp.py).
+    if multi_rank_requested(args):
+        return run_tp(args)
     if not torch.cuda.is_available():
         print("phalanx bench decode: needs a CUDA GPU (none is visible)")
         return 2

@@ -1,0 +1,503 @@
+"""``phalanx bench decode --tp 1,2[,4]``: decode step time at several tensor-parallel degrees.
+
+For each degree ``t``, ``t`` rank processes are spawned (torch.multiprocessing), one device each:
+``cuda:r`` with NCCL, or the CPU with gloo (``--device cpu``, how CI runs this path). Every rank
+builds its shard of one random model: each global tensor is generated from its own seed (the run's
+seed and the tensor's name), then cut to the rank's slices (``models.qwen35.sharding``), so every TP
+degree computes the same function. All ranks run the same steps, so every step's collectives pair
+them up; rank 0 times them (CUDA events on CUDA). With ``--cuda-graph`` the serving graph path is
+timed too: the worker's graph runner after the whole pre-capture sweep, each phase followed by a
+barrier on every rank, as the coordinator's dispatch makes it one. Rank 0 writes its figures and
+the logits of its first eager step to a file; the parent prints one table, the ratios issue 9
+targets, and how far each degree's logits are from TP 1's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import socket
+import statistics
+import tempfile
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+import torch
+import torch.distributed as dist
+
+from tools.bench_decode import (
+    COPY_BANDWIDTH,
+    PAGE_SIZE,
+    _random_tensor,
+    config_dict,
+    cuda_time_ms,
+    weight_bytes_per_step,
+)
+
+# NVLink multicast stays off in every rank (it can take a shared host's GPUs out of service).
+CHILD_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+RANK_RUN_TIMEOUT_S = 600.0
+WARMUP_STEPS = 3
+TARGET_TP2_BATCH1 = 0.6  # issue 9: TP 2 batch-1 step time <= 0.6 x TP 1
+TARGET_GRAPH_SPEEDUP = 1.3  # issue 9: graph >= 1.3 x eager at TP 2, batch 16
+
+
+def multi_rank_requested(args: argparse.Namespace) -> bool:
+    """Whether ``bench decode`` takes this path: any TP degree but 1 alone, CPU, or JSON output."""
+    return parse_tp(args.tp) != [1] or args.device == "cpu" or args.json is not None
+
+
+def parse_tp(text: str) -> list[int]:
+    try:
+        degrees = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"--tp must be comma-separated integers, got {text!r}") from None
+    if not degrees or min(degrees) < 1:
+        raise ValueError(f"--tp needs TP degrees of at least 1, got {text!r}")
+    return degrees
+
+
+# ------------------------------------------------------------------------------ the sharded model
+
+
+def sharded_random_weights(config, layout, device: torch.device, dtype: torch.dtype, seed: int):
+    """This rank's slices of one global random model: the same global tensors at every TP degree.
+
+    Each whole checkpoint tensor comes from a generator seeded by ``seed`` and the tensor's name
+    (on CUDA, identical GPUs give identical tensors), then only the rank's ranges are kept, and
+    specs fused into one tensor are concatenated in spec order, as the loader does.
+    """
+    from models.qwen35.sharding import tensor_specs
+
+    parts: dict[str, list[torch.Tensor]] = {}
+    for spec in tensor_specs(config, layout, include_lm_head=not config.tie_word_embeddings):
+        gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(spec.name.encode()))
+        whole = _random_tensor(dataclasses.replace(spec, ranges=None), gen, device, dtype)
+        if spec.ranges is None:
+            local = whole
+        else:
+            pieces = [whole.narrow(spec.dim, lo, hi - lo) for lo, hi in spec.ranges]
+            local = torch.cat(pieces, dim=spec.dim) if len(pieces) > 1 else pieces[0].contiguous()
+        del whole
+        parts.setdefault(spec.key, []).append(local)
+    return {key: group[0] if len(group) == 1 else torch.cat(group) for key, group in parts.items()}
+
+
+def build_sharded_model(
+    geometry: str, rank: int, world_size: int, device: torch.device, dtype: torch.dtype, seed: int
+):
+    """Rank ``rank`` of ``world_size`` of the named geometry's random model."""
+    from models.qwen35 import Qwen35Config, Qwen35Model
+    from models.qwen35.sharding import RankLayout
+
+    config = Qwen35Config.from_dicts(config_dict(geometry), source=f"geometry {geometry}")
+    layout = RankLayout.build(config, rank, world_size)
+    weights = sharded_random_weights(config, layout, device, dtype, seed)
+    return Qwen35Model(config, layout, weights, device, dtype)
+
+
+# ------------------------------------------------------------------------------ spawning ranks
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def run_ranks(
+    fn: Callable[..., None], world_size: int, args: tuple, timeout_s: float = RANK_RUN_TIMEOUT_S
+) -> None:
+    """Run ``fn(rank, world_size, init_method, *args)`` in ``world_size`` spawned processes.
+
+    Raises (every rank stopped) when a rank fails or exits badly, or when they are not all done
+    within ``timeout_s``: a wedged collective must not hang the caller.
+    """
+    import torch.multiprocessing as mp
+
+    for name, value in CHILD_ENV.items():
+        os.environ.setdefault(name, value)
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    context = mp.start_processes(
+        fn, args=(world_size, init_method, *args), nprocs=world_size, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + timeout_s
+    while not context.join(timeout=max(0.0, min(5.0, deadline - time.monotonic()))):
+        if time.monotonic() >= deadline:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+            for process in context.processes:
+                process.join(10.0)
+            raise TimeoutError(
+                f"{world_size} ranks of {getattr(fn, '__name__', fn)} did not finish within {timeout_s:g} s; "
+                "every rank was killed"
+            )
+
+
+def init_rank(rank: int, world_size: int, init_method: str, device_kind: str) -> torch.device:
+    """Bind this rank's device and, above TP 1, join the process group (NCCL on CUDA, else gloo)."""
+    if device_kind == "cuda":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    elif device_kind == "cpu":
+        device = torch.device("cpu")
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    else:
+        raise ValueError(f"rank {rank}: unknown device {device_kind!r} (cuda or cpu)")
+    if world_size > 1:
+        dist.init_process_group(
+            backend="nccl" if device.type == "cuda" else "gloo",
+            init_method=init_method,
+            rank=rank,
+            world_size=world_size,
+            device_id=device if device.type == "cuda" else None,
+        )
+    return device
+
+
+def host_barrier() -> Callable[[], None]:
+    """A barrier that touches no CUDA stream (a gloo group), like the coordinator's replies."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return lambda: None
+    group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+    return lambda: dist.barrier(group=group)
+
+
+def finish_rank() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------ one rank's work
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    geometry: str
+    batches: tuple[int, ...]
+    steps: int
+    context: int
+    cuda_graph: bool
+    seed: int
+    device: str  # "cuda" or "cpu"
+
+
+def _time_ms(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
+    if device.type == "cuda":
+        return statistics.median(cuda_time_ms(fn, repeats))
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - started) * 1e3)
+    return statistics.median(times)
+
+
+def _rows_for(batch: int, pages_per_row: int, vocab: int, seed: int) -> tuple:
+    """The batch's host inputs, the same at every TP degree: tokens, positions, slots, pages."""
+    gen = torch.Generator().manual_seed(seed + batch)
+    tokens = torch.randint(0, vocab, (batch,), generator=gen)
+    page_table = torch.arange(batch * pages_per_row, dtype=torch.int32).view(batch, -1)
+    return tokens, torch.arange(batch), page_table
+
+
+def bench_rank(rank: int, world_size: int, init_method: str, settings: BenchSettings, out_path: str) -> None:
+    """One rank of one TP degree: build the shard, time eager (and graph) decode per batch size."""
+    from models.qwen35 import DecodeBatch
+    from worker.buckets import state_slot_layout
+
+    if rank != 0:  # one rank's log lines tell the story; the others only warn
+        structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    device = init_rank(rank, world_size, init_method, settings.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    started = time.perf_counter()
+    model = build_sharded_model(settings.geometry, rank, world_size, device, dtype, settings.seed)
+    built_s = time.perf_counter() - started
+    weight_bytes = weight_bytes_per_step(model)
+    max_batch = max(settings.batches)
+    pages_per_row = -(-(settings.context + settings.steps + WARMUP_STEPS + 8) // PAGE_SIZE)
+    kv_pages = max_batch * pages_per_row
+    slots = state_slot_layout(max_batch, cuda_graph=True).total
+    model.allocate_cache(kv_pages + 1, PAGE_SIZE, slots)
+    say = _announcer(rank, world_size)
+    say(
+        f"built {settings.geometry} shard in {built_s:.1f} s; {weight_bytes / 1e9:.2f} GB read per step per rank"
+    )
+
+    rows: list[dict[str, object]] = []
+    first_logits = None
+    for batch in settings.batches:
+        tokens, slots_used, page_table = _rows_for(
+            batch, pages_per_row, model.config.vocab_size, settings.seed
+        )
+        step = DecodeBatch(
+            tokens=tokens.to(device),
+            positions=torch.full((batch,), settings.context, dtype=torch.int64, device=device),
+            state_slots=slots_used.to(device),
+            page_table=page_table.to(device),
+        )
+        logits = model.decode(step)
+        if first_logits is None:
+            first_logits = logits.float().cpu()
+        rows.append(
+            _measure(
+                lambda step=step: model.decode(step),
+                "eager",
+                batch,
+                world_size,
+                settings,
+                device,
+                weight_bytes,
+            )
+        )
+        say(f"measured: {_row_line(settings.geometry, rows[-1])}")
+
+    sweep_s = None
+    if settings.cuda_graph:
+        graph_rows, sweep_s = _graph_rows(
+            model, kv_pages, pages_per_row, settings, device, rank, world_size, weight_bytes
+        )
+        for row in graph_rows:
+            say(f"measured: {_row_line(settings.geometry, row)}")
+        rows += graph_rows
+    if rank == 0:
+        torch.save(
+            {
+                "rows": rows,
+                "sweep_s": sweep_s,
+                "build_s": built_s,
+                "weight_bytes_per_rank": weight_bytes,
+                "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                "first_logits": first_logits,
+                "first_batch": settings.batches[0],
+            },
+            out_path,
+        )
+    finish_rank()
+
+
+def _announcer(rank: int, world_size: int) -> Callable[[str], None]:
+    def say(text: str) -> None:
+        if rank == 0:
+            print(f"[tp {world_size}] {text}", flush=True)
+
+    return say
+
+
+def _measure(
+    run: Callable[[], object],
+    mode: str,
+    batch: int,
+    world_size: int,
+    settings: BenchSettings,
+    device: torch.device,
+    weight_bytes: int,
+) -> dict[str, object]:
+    for _ in range(WARMUP_STEPS):
+        run()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    step_ms = _time_ms(run, settings.steps, device)
+    return {
+        "geometry": settings.geometry,
+        "tp": world_size,
+        "mode": mode,
+        "batch": batch,
+        "step_ms": step_ms,
+        "tokens_per_s": batch * 1e3 / step_ms,
+        "roofline_per_gpu": weight_bytes / (step_ms * 1e-3) / COPY_BANDWIDTH,
+    }
+
+
+def _graph_rows(
+    model,
+    kv_pages: int,
+    pages_per_row: int,
+    settings: BenchSettings,
+    device: torch.device,
+    rank: int,
+    world_size: int,
+    weight_bytes: int,
+) -> tuple[list[dict[str, object]], float]:
+    """The serving graph path: the whole pre-capture sweep in lockstep, then bucketed replays."""
+    from executor.precapture import run_precapture_sweep
+    from models.qwen35 import DecodeBatch
+    from protocol.messages import Capacity
+    from worker.graphs import build_graph_runner
+
+    capacity = Capacity(kv_pages, PAGE_SIZE, max(settings.batches), 1)
+    runner = build_graph_runner(model, capacity, device, rank=rank, world_size=world_size)
+    barrier = host_barrier()
+
+    def send(phase) -> None:
+        runner.run_phase(phase)
+        barrier()  # as the coordinator's dispatch: no rank starts a phase before all ended the last
+
+    sweep = run_precapture_sweep(send, runner.buckets, progress=False)
+    mode = "graph" if runner.uses_cuda_graphs else "static-eager"
+    rows = []
+    for batch in settings.batches:
+        tokens, slots_used, page_table = _rows_for(
+            batch, pages_per_row, model.config.vocab_size, settings.seed
+        )
+        step = DecodeBatch(
+            tokens=tokens,
+            positions=torch.full((batch,), settings.context, dtype=torch.int64),
+            state_slots=slots_used,
+            page_table=page_table,
+        )
+        rows.append(
+            _measure(
+                lambda step=step: runner.decode(step), mode, batch, world_size, settings, device, weight_bytes
+            )
+        )
+    runner.release()
+    return rows, sweep.seconds
+
+
+# ------------------------------------------------------------------------------ the parent's report
+
+
+def run_tp(args: argparse.Namespace) -> int:
+    try:
+        degrees = parse_tp(args.tp)
+    except ValueError as exc:
+        print(f"phalanx bench decode: {exc}")
+        return 2
+    if args.device == "cuda":
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if visible < max(degrees):
+            print(
+                f"phalanx bench decode: TP {max(degrees)} needs {max(degrees)} CUDA GPUs, {visible} visible"
+            )
+            return 2
+    settings = BenchSettings(
+        geometry=args.geometry,
+        batches=tuple(int(b) for b in args.batch.split(",") if b),
+        steps=args.steps,
+        context=args.context,
+        cuda_graph=args.cuda_graph,
+        seed=args.seed,
+        device=args.device,
+    )
+    results: dict[int, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="phalanx-bench-tp-") as scratch:
+        for tp in degrees:
+            out_path = str(Path(scratch) / f"tp{tp}.pt")
+            run_ranks(bench_rank, tp, (settings, out_path))
+            results[tp] = torch.load(out_path, weights_only=False)
+    report = summarize(settings, results)
+    print(format_report(report))
+    if args.json is not None:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+def summarize(settings: BenchSettings, results: dict[int, dict]) -> dict[str, object]:
+    """Every row with its ratios (vs TP 1, vs eager), the issue's targets and the logits check."""
+    rows = [dict(row) for tp in sorted(results) for row in results[tp]["rows"]]
+    by_key = {(r["tp"], r["mode"], r["batch"]): r for r in rows}
+    for r in rows:
+        base = by_key.get((1, r["mode"], r["batch"]))
+        r["vs_tp1"] = r["step_ms"] / base["step_ms"] if base is not None else None
+        eager = by_key.get((r["tp"], "eager", r["batch"]))
+        r["speedup_vs_eager"] = eager["step_ms"] / r["step_ms"] if r["mode"] != "eager" and eager else None
+    targets = {}
+    for mode in ("eager", "graph"):
+        row = by_key.get((2, mode, 1))
+        if row is not None and row["vs_tp1"] is not None:
+            targets[f"tp2_over_tp1_batch1_{mode}"] = row["vs_tp1"]
+    graph16 = by_key.get((2, "graph", 16))
+    if graph16 is not None:
+        targets["graph_over_eager_tp2_batch16"] = graph16["speedup_vs_eager"]
+    any_result = next(iter(results.values()))
+    return {
+        "geometry": settings.geometry,
+        "device": settings.device,
+        "device_name": any_result["device_name"],
+        "context": settings.context,
+        "steps": settings.steps,
+        "rows": rows,
+        "sweep_s": {str(tp): results[tp]["sweep_s"] for tp in sorted(results)},
+        "build_s": {str(tp): results[tp]["build_s"] for tp in sorted(results)},
+        "targets": targets,
+        "logits_vs_tp1": _logits_vs_tp1(results),
+    }
+
+
+def _logits_vs_tp1(results: dict[int, dict]) -> dict[str, dict[str, float]]:
+    """The first eager step's logits of each degree against TP 1's (same global weights and inputs)."""
+    if 1 not in results:
+        return {}
+    ref = results[1]["first_logits"]
+    out = {}
+    for tp in sorted(results):
+        if tp == 1:
+            continue
+        got = results[tp]["first_logits"]
+        out[str(tp)] = {
+            "batch": results[tp]["first_batch"],
+            "max_abs_diff_over_max_abs_ref": float((got - ref).abs().max() / ref.abs().max()),
+            "relative_norm_error": float((got - ref).norm() / ref.norm()),
+            "top1_agreement": float((got.argmax(-1) == ref.argmax(-1)).float().mean()),
+        }
+    return out
+
+
+def _row_line(geometry: str, r: dict[str, object]) -> str:
+    return (
+        f"| {geometry} | {r['tp']} | {r['mode']} | {r['batch']} | {r['step_ms']:.2f} | "
+        f"{r['tokens_per_s']:.0f} | {r['roofline_per_gpu']:.1%} |"
+    )
+
+
+def _ratio(value: float | None, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:.2f}{suffix}"
+
+
+def format_report(report: dict[str, object]) -> str:
+    lines = [
+        f"phalanx decode, {report['geometry']} geometry, random weights, context {report['context']}, "
+        f"median of {report['steps']} steps, {report['device_name']}",
+        "| geometry | tp | mode | batch | step ms | tokens/s | weight bytes per GPU / step time "
+        "(of 4.3 TB/s) | step vs TP 1 | speedup vs eager |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report["rows"]:
+        lines.append(
+            f"{_row_line(report['geometry'], r)} {_ratio(r['vs_tp1'], 'x')} | {_ratio(r['speedup_vs_eager'], 'x')} |"
+        )
+    for tp, seconds in report["sweep_s"].items():
+        if seconds is not None:
+            lines.append(f"pre-capture sweep at TP {tp}: {seconds:.1f} s")
+    targets = report["targets"]
+    for mode in ("eager", "graph"):
+        value = targets.get(f"tp2_over_tp1_batch1_{mode}")
+        if value is not None:
+            verdict = "meets" if value <= TARGET_TP2_BATCH1 else "misses"
+            lines.append(
+                f"TP 2 / TP 1 step time at batch 1 ({mode}): {value:.2f} "
+                f"({verdict} the target <= {TARGET_TP2_BATCH1})"
+            )
+    speedup = targets.get("graph_over_eager_tp2_batch16")
+    if speedup is not None:
+        verdict = "meets" if speedup >= TARGET_GRAPH_SPEEDUP else "misses"
+        lines.append(
+            f"graph vs eager at TP 2, batch 16: {speedup:.2f}x ({verdict} the target >= {TARGET_GRAPH_SPEEDUP}x)"
+        )
+    for tp, check in report["logits_vs_tp1"].items():
+        lines.append(
+            f"first-step logits at TP {tp} vs TP 1 (batch {check['batch']}): max|diff|/max|ref| "
+            f"{check['max_abs_diff_over_max_abs_ref']:.3g}, relative norm error "
+            f"{check['relative_norm_error']:.3g}, top-1 agreement {check['top1_agreement']:.0%}"
+        )
+    return "\n".join(lines)
