@@ -10,6 +10,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "serve": ("tools.bench_serve", "TTFT / TPOT / ITL against a running server"),
     "roundtrip": ("tools.bench_roundtrip", "protocol round trip to every rank, no model work"),
     "load": ("tools.bench_load", "peak memory of one rank loading its shard"),
+    "linear": ("tools.bench_linear", "decode linears: Triton skinny GEMV/GEMM vs cuBLAS, in CUDA graphs"),
 }
 
 
