@@ -1,9 +1,14 @@
-"""The fused Gated DeltaNet decode step (see ``kernels/gdn_step.py``) as one Triton kernel.
+"""The Gated DeltaNet decode step (see ``kernels/gdn_step.py``) on CUDA, by batch size.
 
-One program per (batch row, key head): it convolves the key head's q and k channels once (so
-their conv state is shifted exactly once), then, for each of the Hv/Hk value heads that read
-them, convolves the v channels, computes the gates, runs the delta-rule step on the whole
-[dk, dv] fp32 state and writes the gated-RMSNorm output."""
+Small batches run one fused kernel, one program per (batch row, key head): it convolves the key
+head's q and k channels once (so their conv state is shifted exactly once), then, for each of the
+Hv/Hk value heads that read them, convolves the v channels, computes the gates, runs the
+delta-rule step on the whole [dk, dv] fp32 state and writes the gated-RMSNorm output. One launch
+matters most at batch 1 in eager mode.
+
+From ``SPLIT_MIN_BATCH`` rows the state traffic dominates and the step runs as three kernels with
+the recurrence split over dv (``kernels/gdn_recurrent_triton.py``), which keeps enough state
+tiles in flight to approach the copy bandwidth."""
 
 from __future__ import annotations
 
@@ -12,8 +17,12 @@ import triton
 import triton.language as tl
 
 from kernels.conv1d_triton import conv_decode_channels
+from kernels.gdn_recurrent_triton import check_step_states, gdn_decode_step_split
 from kernels.gdn_step import gdn_split_sizes
 from kernels.gdn_triton import delta_rule_update, l2_normalize, softplus_gate
+
+# Batch rows from which the split path runs (a graph bucket boundary).
+SPLIT_MIN_BATCH = 16
 
 
 @triton.jit
@@ -93,15 +102,31 @@ def gdn_decode_step_triton(
     state: torch.Tensor,
     state_slots: torch.Tensor,
 ) -> torch.Tensor:
+    step = gdn_decode_step_split if mixed_qkv.shape[0] >= SPLIT_MIN_BATCH else gdn_decode_step_fused
+    return step(
+        mixed_qkv, conv_weight, conv_state, z, a, b, A_log, dt_bias, norm_weight, eps, state, state_slots
+    )
+
+
+def gdn_decode_step_fused(
+    mixed_qkv: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    z: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    state: torch.Tensor,
+    state_slots: torch.Tensor,
+) -> torch.Tensor:
+    """``gdn_decode_step`` as the single fused kernel (any batch; the small-batch path)."""
     batch, conv_dim = mixed_qkv.shape
     hk, dk, hv, dv = gdn_split_sizes(conv_dim, state)
     kernel = conv_weight.shape[-1]
-    if not state.is_contiguous() or state.dtype != torch.float32:
-        raise ValueError(f"recurrent state must be contiguous float32, got {state.dtype} {state.stride()}")
-    if not conv_state.is_contiguous() or conv_state.shape[1:] != (conv_dim, kernel - 1):
-        raise ValueError(
-            f"conv_state must be contiguous [slots, {conv_dim}, {kernel - 1}], got {tuple(conv_state.shape)}"
-        )
+    check_step_states(conv_state, state, conv_dim, kernel)
     if mixed_qkv.stride(-1) != 1:
         mixed_qkv = mixed_qkv.contiguous()
     if z.stride(-1) != 1 or z.stride(-2) != dv:
