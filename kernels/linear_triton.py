@@ -17,7 +17,7 @@ convert launch, more than it saves inside a CUDA graph where each launch is ~1-2
 
 Autotuning and CUDA graphs: each kernel is tuned per (N, K, power-of-2 bucket of M, fused or not);
 the bucket is a kernel argument (``BLOCK_M``), never M itself. Decode graph buckets are powers of 2
-(worker/buckets.py), and the graph sweep's Warmup phase runs one eager decode step per bucket with
+(protocol/buckets.py), and the graph sweep's Warmup phase runs one eager decode step per bucket with
 exactly the bucket's row count before any Capture (worker/graphs.py), so every tuning key a captured
 graph uses has been tuned eagerly first and capture never benchmarks. Under ``TRITON_INTERPRET=1``
 (CPU tests) autotuning is bypassed with one small fixed config, and ``tl.dot`` operands are upcast
