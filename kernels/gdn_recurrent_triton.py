@@ -19,6 +19,7 @@ on free slots are harmless; launch parameters come from shapes only (graph-captu
 from __future__ import annotations
 
 import inspect
+import math
 import os
 
 import structlog
@@ -134,8 +135,8 @@ _tuned_kernel = triton.autotune(
     **_BENCH,
 )(_recurrent_kernel)
 
-# Tuning keys already benchmarked (on scratch rows), with the config each chose.
-TUNED_CONFIGS: dict[tuple[object, ...], str] = {}
+# Tuning keys already benchmarked (on scratch rows), with the (BV, num_warps) each chose.
+TUNED_TILES: dict[tuple[object, ...], tuple[int, int]] = {}
 _untuned_in_capture_logged: set[tuple[object, ...]] = set()
 
 
@@ -183,16 +184,14 @@ def recurrent_decode(
     shape = dict(HK=key_heads, HV=hv, DK=dk, DV=dv, BK=triton.next_power_of_2(dk))
     bucket = tuning_bucket(batch)
     if _interpreting():
-        _launch_fixed(args, strides, bucket, shape, batch)
+        _launch_fixed(args, strides, bucket, shape, batch, (DEFAULT_BV, DEFAULT_WARPS))
         return o
-    key = (bucket, key_heads, hv, dk, dv, conv_out.dtype, a.dtype, state.device)
-    if key not in TUNED_CONFIGS:
+    # Triton's autotuner keys on the named arguments plus every tensor argument's dtype: this key
+    # must hit exactly when Triton's does, or Triton would benchmark on the live state.
+    key = (bucket, key_heads, hv, dk, dv, *(t.dtype for t in args), state.device)
+    if key not in TUNED_TILES:
         if torch.cuda.is_current_stream_capturing():
-            # Benchmarking would break the capture; the shape keeps the default tile.
-            if key not in _untuned_in_capture_logged:
-                _untuned_in_capture_logged.add(key)
-                log.warning("gdn recurrent kernel untuned at capture; default tile", key=str(key))
-            _launch_fixed(args, strides, bucket, shape, batch)
+            _launch_fixed(args, strides, bucket, shape, batch, _tile_for_capture(key))
             return o
         _tune_on_scratch(key, args, strides, bucket, shape)
 
@@ -203,12 +202,33 @@ def recurrent_decode(
     return o
 
 
+def _tile_for_capture(key: tuple[object, ...]) -> tuple[int, int]:
+    """A tile for a batch bucket first met inside a graph capture, where benchmarking would break
+    the capture: the tile tuned for the nearest bucket of the same heads (its kernel is already
+    compiled), else the default one."""
+    nearest = sorted(
+        (abs(math.log2(k[0]) - math.log2(key[0])), k[0], tile)
+        for k, tile in TUNED_TILES.items()
+        if k[1:] == key[1:]
+    )
+    tile = nearest[0][2] if nearest else (DEFAULT_BV, DEFAULT_WARPS)
+    if key not in _untuned_in_capture_logged:
+        _untuned_in_capture_logged.add(key)
+        log.warning("gdn recurrent kernel untuned at graph capture", bucket=key[0], heads=key[1:3], tile=tile)
+    return tile
+
+
 def _launch_fixed(
-    args: list[torch.Tensor], strides: list[object], bucket: int, shape: dict[str, int], batch: int
+    args: list[torch.Tensor],
+    strides: list[object],
+    bucket: int,
+    shape: dict[str, int],
+    batch: int,
+    tile: tuple[int, int],
 ) -> None:
-    bv = min(DEFAULT_BV, triton.next_power_of_2(shape["DV"]))
+    bv = min(tile[0], triton.next_power_of_2(shape["DV"]))
     grid = (triton.cdiv(shape["DV"], bv), shape["HV"], batch)
-    _recurrent_kernel[grid](*args, *strides, bucket, **shape, BV=bv, num_warps=DEFAULT_WARPS)
+    _recurrent_kernel[grid](*args, *strides, bucket, **shape, BV=bv, num_warps=tile[1])
 
 
 def _tune_on_scratch(
@@ -223,7 +243,7 @@ def _tune_on_scratch(
     conv_out, a, b, A_log, dt_bias, state, _, _ = args
     rows = torch.arange(bucket, device=state.device) % conv_out.shape[0]
     scratch_state = torch.zeros((bucket, *state.shape[1:]), dtype=state.dtype, device=state.device)
-    slots = torch.arange(bucket, dtype=torch.int64, device=state.device)
+    slots = torch.arange(bucket, dtype=args[6].dtype, device=state.device)
     scratch_o = torch.empty((bucket, shape["HV"], shape["DV"]), dtype=conv_out.dtype, device=state.device)
     scratch = [conv_out[rows].contiguous(), a[rows].contiguous(), b[rows].contiguous(), A_log, dt_bias]
     scratch_strides = [
@@ -240,12 +260,12 @@ def _tune_on_scratch(
         *scratch, scratch_state, slots, scratch_o, *scratch_strides, strides[-1], bucket, **shape
     )
     best = _tuned_kernel.best_config
-    TUNED_CONFIGS[key] = f"BV={best.kwargs['BV']} warps={best.num_warps}"
+    TUNED_TILES[key] = (best.kwargs["BV"], best.num_warps)
     log.info(
         "gdn recurrent kernel tuned",
         bucket=bucket,
         heads=(shape["HK"], shape["HV"]),
-        config=TUNED_CONFIGS[key],
+        tile=TUNED_TILES[key],
     )
 
 

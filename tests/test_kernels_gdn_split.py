@@ -209,6 +209,16 @@ def test_state_layout_errors_name_the_shapes() -> None:
         check_step_states(torch.zeros(4, 8, 3), torch.zeros(4, HV, DK, DV), CONV_DIM, CONV_K)
 
 
+def test_a_bucket_met_in_capture_borrows_the_nearest_tuned_tile(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kernels import gdn_recurrent_triton as rec
+
+    rest = (2, 4, 128, 128, torch.bfloat16)
+    monkeypatch.setattr(rec, "TUNED_TILES", {(64, *rest): (64, 4), (16, *rest): (32, 2), (32, 9, 9): (8, 1)})
+    assert rec._tile_for_capture((32, *rest)) == (32, 2)  # equidistant: the smaller bucket
+    assert rec._tile_for_capture((64, *rest)) == (64, 4)
+    assert rec._tile_for_capture((32, 3, 6, 128, 128, torch.bfloat16)) == (rec.DEFAULT_BV, rec.DEFAULT_WARPS)
+
+
 if __name__ == "__main__":
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("run with TRITON_INTERPRET=1 (pytest does this)")
