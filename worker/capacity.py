@@ -8,8 +8,11 @@ from protocol.messages import Capacity
 from worker.buckets import MAX_GRAPH_BATCH, size_graph_slot_reserve
 from worker.config import WorkerLimits
 
-# Kept free on CUDA for activations, the prefill scratch, the allocator and the communicator.
+# Kept free on CUDA for activations, the prefill scratch and the allocator. Capacity is sized
+# before the process group exists, so the fraction also leaves room for NCCL's communicator
+# buffers and for CUDA graphs' private pools (together a few GiB on a 141 GB GPU).
 CUDA_RESERVE_BYTES = 512 << 20
+CUDA_MEMORY_FRACTION = 0.9
 MIB = 1 << 20
 
 
@@ -29,7 +32,7 @@ def size_capacity(
     if device.type != "cuda":
         return Capacity(limits.kv_pages, limits.page_size, max_slots, limits.max_batch_tokens)
     free, _total = torch.cuda.mem_get_info(device)
-    budget = free - CUDA_RESERVE_BYTES
+    budget = int(free * CUDA_MEMORY_FRACTION) - CUDA_RESERVE_BYTES
     per_request_state = 2 * model.state_bytes_per_slot()
     if cuda_graph:
         state = model.state_bytes_per_slot()
@@ -44,7 +47,8 @@ def size_capacity(
     if slots < 1:
         raise CapacityError(
             f"rank {rank} has {free // MIB} MiB free, but one request's recurrent state needs "
-            f"{per_request_state // MIB} MiB beyond the {CUDA_RESERVE_BYTES // MIB} MiB reserve"
+            f"{per_request_state // MIB} MiB beyond the {CUDA_RESERVE_BYTES // MIB} MiB reserve and "
+            f"the {1 - CUDA_MEMORY_FRACTION:.0%} kept for the communicator"
         )
     budget -= slots * per_request_state
     pages = budget // model.kv_bytes_per_page(limits.page_size) - 1  # one page is the padding page
