@@ -56,7 +56,8 @@ DEFAULT_WARPS = 4
 MAX_TUNING_ROWS = 64
 
 
-@triton.jit
+# tuning_bucket only keys the autotuner: unspecialised, bucket 1 compiles the same binary as 64.
+@triton.jit(do_not_specialize=["tuning_bucket"])
 def _recurrent_kernel(
     conv_ptr,
     a_ptr,

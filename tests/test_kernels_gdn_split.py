@@ -219,6 +219,20 @@ def test_a_bucket_met_in_capture_borrows_the_nearest_tuned_tile(monkeypatch: pyt
     assert rec._tile_for_capture((32, 3, 6, 128, 128, torch.bfloat16)) == (rec.DEFAULT_BV, rec.DEFAULT_WARPS)
 
 
+def test_bench_gdn_is_a_bench_kind_and_needs_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    from tools import bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["gdn", "--batch", "1,64", "--paths", "split,fused"])
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: the bench would run")
+    assert bench.run(args) == 2
+    assert "phalanx bench gdn: needs a CUDA GPU" in capsys.readouterr().out
+
+
 if __name__ == "__main__":
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("run with TRITON_INTERPRET=1 (pytest does this)")

@@ -11,6 +11,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "roundtrip": ("tools.bench_roundtrip", "protocol round trip to every rank, no model work"),
     "load": ("tools.bench_load", "peak memory of one rank loading its shard"),
     "linear": ("tools.bench_linear", "decode linears: Triton skinny GEMV/GEMM vs cuBLAS, in CUDA graphs"),
+    "gdn": ("tools.bench_gdn", "GDN decode step per layer: fused kernel vs split path, in CUDA graphs"),
 }
 
 
