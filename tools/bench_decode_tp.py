@@ -201,17 +201,52 @@ def _time_ms(fn: Callable[[], object], repeats: int, device: torch.device) -> fl
     return statistics.median(times)
 
 
-def _rows_for(batch: int, pages_per_row: int, vocab: int, seed: int) -> tuple:
-    """The batch's host inputs, the same at every TP degree: tokens, positions, slots, pages."""
-    gen = torch.Generator().manual_seed(seed + batch)
-    tokens = torch.randint(0, vocab, (batch,), generator=gen)
-    page_table = torch.arange(batch * pages_per_row, dtype=torch.int32).view(batch, -1)
-    return tokens, torch.arange(batch), page_table
+@dataclass
+class RankRun:
+    """What one rank's measurements share: the settings, its place, its model and cache geometry."""
+
+    settings: BenchSettings
+    rank: int
+    world_size: int
+    device: torch.device
+    model: object
+    weight_bytes: int
+    pages_per_row: int
+    kv_pages: int
+
+    def say(self, text: str) -> None:
+        if self.rank == 0:
+            print(f"[tp {self.world_size}] {text}", flush=True)
+
+    def inputs(self, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The batch's host inputs, the same at every TP degree: tokens, state slots, page table."""
+        gen = torch.Generator().manual_seed(self.settings.seed + batch)
+        tokens = torch.randint(0, self.model.config.vocab_size, (batch,), generator=gen)
+        page_table = torch.arange(batch * self.pages_per_row, dtype=torch.int32).view(batch, -1)
+        return tokens, torch.arange(batch), page_table
+
+    def measure(self, run: Callable[[], object], mode: str, batch: int) -> dict[str, object]:
+        for _ in range(WARMUP_STEPS):
+            run()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        step_ms = _time_ms(run, self.settings.steps, self.device)
+        row = {
+            "geometry": self.settings.geometry,
+            "tp": self.world_size,
+            "mode": mode,
+            "batch": batch,
+            "step_ms": step_ms,
+            "tokens_per_s": batch * 1e3 / step_ms,
+            "roofline_per_gpu": self.weight_bytes / (step_ms * 1e-3) / COPY_BANDWIDTH,
+        }
+        # Printed as measured, so a run cut short still leaves its figures.
+        self.say(f"measured: {_row_line(self.settings.geometry, row)}")
+        return row
 
 
 def bench_rank(rank: int, world_size: int, init_method: str, settings: BenchSettings, out_path: str) -> None:
     """One rank of one TP degree: build the shard, time eager (and graph) decode per batch size."""
-    from models.qwen35 import DecodeBatch
     from worker.buckets import state_slot_layout
 
     if rank != 0:  # one rank's log lines tell the story; the others only warn
@@ -221,120 +256,70 @@ def bench_rank(rank: int, world_size: int, init_method: str, settings: BenchSett
     started = time.perf_counter()
     model = build_sharded_model(settings.geometry, rank, world_size, device, dtype, settings.seed)
     built_s = time.perf_counter() - started
-    weight_bytes = weight_bytes_per_step(model)
     max_batch = max(settings.batches)
     pages_per_row = -(-(settings.context + settings.steps + WARMUP_STEPS + 8) // PAGE_SIZE)
-    kv_pages = max_batch * pages_per_row
-    slots = state_slot_layout(max_batch, cuda_graph=True).total
-    model.allocate_cache(kv_pages + 1, PAGE_SIZE, slots)
-    say = _announcer(rank, world_size)
-    say(
-        f"built {settings.geometry} shard in {built_s:.1f} s; {weight_bytes / 1e9:.2f} GB read per step per rank"
+    run = RankRun(
+        settings,
+        rank,
+        world_size,
+        device,
+        model,
+        weight_bytes_per_step(model),
+        pages_per_row,
+        kv_pages=max_batch * pages_per_row,
     )
-
-    rows: list[dict[str, object]] = []
-    first_logits = None
-    for batch in settings.batches:
-        tokens, slots_used, page_table = _rows_for(
-            batch, pages_per_row, model.config.vocab_size, settings.seed
-        )
-        step = DecodeBatch(
-            tokens=tokens.to(device),
-            positions=torch.full((batch,), settings.context, dtype=torch.int64, device=device),
-            state_slots=slots_used.to(device),
-            page_table=page_table.to(device),
-        )
-        logits = model.decode(step)
-        if first_logits is None:
-            first_logits = logits.float().cpu()
-        rows.append(
-            _measure(
-                lambda step=step: model.decode(step),
-                "eager",
-                batch,
-                world_size,
-                settings,
-                device,
-                weight_bytes,
-            )
-        )
-        say(f"measured: {_row_line(settings.geometry, rows[-1])}")
-
+    model.allocate_cache(run.kv_pages + 1, PAGE_SIZE, state_slot_layout(max_batch, cuda_graph=True).total)
+    run.say(
+        f"built {settings.geometry} shard in {built_s:.1f} s; {run.weight_bytes / 1e9:.2f} GB per step per rank"
+    )
+    rows, first_logits = _eager_rows(run)
     sweep_s = None
     if settings.cuda_graph:
-        graph_rows, sweep_s = _graph_rows(
-            model, kv_pages, pages_per_row, settings, device, rank, world_size, weight_bytes
-        )
-        for row in graph_rows:
-            say(f"measured: {_row_line(settings.geometry, row)}")
+        graph_rows, sweep_s = _graph_rows(run)
         rows += graph_rows
     if rank == 0:
-        torch.save(
-            {
-                "rows": rows,
-                "sweep_s": sweep_s,
-                "build_s": built_s,
-                "weight_bytes_per_rank": weight_bytes,
-                "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                "first_logits": first_logits,
-                "first_batch": settings.batches[0],
-            },
-            out_path,
-        )
+        result = {
+            "rows": rows,
+            "sweep_s": sweep_s,
+            "build_s": built_s,
+            "weight_bytes_per_rank": run.weight_bytes,
+            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "first_logits": first_logits,
+            "first_batch": settings.batches[0],
+        }
+        torch.save(result, out_path)
     finish_rank()
 
 
-def _announcer(rank: int, world_size: int) -> Callable[[str], None]:
-    def say(text: str) -> None:
-        if rank == 0:
-            print(f"[tp {world_size}] {text}", flush=True)
+def _eager_rows(run: RankRun) -> tuple[list[dict[str, object]], torch.Tensor]:
+    """Plain ``model.decode`` per batch size; also the logits of the very first step (fresh state)."""
+    from models.qwen35 import DecodeBatch
 
-    return say
-
-
-def _measure(
-    run: Callable[[], object],
-    mode: str,
-    batch: int,
-    world_size: int,
-    settings: BenchSettings,
-    device: torch.device,
-    weight_bytes: int,
-) -> dict[str, object]:
-    for _ in range(WARMUP_STEPS):
-        run()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    step_ms = _time_ms(run, settings.steps, device)
-    return {
-        "geometry": settings.geometry,
-        "tp": world_size,
-        "mode": mode,
-        "batch": batch,
-        "step_ms": step_ms,
-        "tokens_per_s": batch * 1e3 / step_ms,
-        "roofline_per_gpu": weight_bytes / (step_ms * 1e-3) / COPY_BANDWIDTH,
-    }
+    rows, first_logits = [], None
+    for batch in run.settings.batches:
+        tokens, slots, page_table = run.inputs(batch)
+        step = DecodeBatch(
+            tokens=tokens.to(run.device),
+            positions=torch.full((batch,), run.settings.context, dtype=torch.int64, device=run.device),
+            state_slots=slots.to(run.device),
+            page_table=page_table.to(run.device),
+        )
+        logits = run.model.decode(step)
+        if first_logits is None:
+            first_logits = logits.float().cpu()
+        rows.append(run.measure(lambda step=step: run.model.decode(step), "eager", batch))
+    return rows, first_logits
 
 
-def _graph_rows(
-    model,
-    kv_pages: int,
-    pages_per_row: int,
-    settings: BenchSettings,
-    device: torch.device,
-    rank: int,
-    world_size: int,
-    weight_bytes: int,
-) -> tuple[list[dict[str, object]], float]:
+def _graph_rows(run: RankRun) -> tuple[list[dict[str, object]], float]:
     """The serving graph path: the whole pre-capture sweep in lockstep, then bucketed replays."""
     from executor.precapture import run_precapture_sweep
     from models.qwen35 import DecodeBatch
     from protocol.messages import Capacity
     from worker.graphs import build_graph_runner
 
-    capacity = Capacity(kv_pages, PAGE_SIZE, max(settings.batches), 1)
-    runner = build_graph_runner(model, capacity, device, rank=rank, world_size=world_size)
+    capacity = Capacity(run.kv_pages, PAGE_SIZE, max(run.settings.batches), 1)
+    runner = build_graph_runner(run.model, capacity, run.device, rank=run.rank, world_size=run.world_size)
     barrier = host_barrier()
 
     def send(phase) -> None:
@@ -344,21 +329,11 @@ def _graph_rows(
     sweep = run_precapture_sweep(send, runner.buckets, progress=False)
     mode = "graph" if runner.uses_cuda_graphs else "static-eager"
     rows = []
-    for batch in settings.batches:
-        tokens, slots_used, page_table = _rows_for(
-            batch, pages_per_row, model.config.vocab_size, settings.seed
-        )
-        step = DecodeBatch(
-            tokens=tokens,
-            positions=torch.full((batch,), settings.context, dtype=torch.int64),
-            state_slots=slots_used,
-            page_table=page_table,
-        )
-        rows.append(
-            _measure(
-                lambda step=step: runner.decode(step), mode, batch, world_size, settings, device, weight_bytes
-            )
-        )
+    for batch in run.settings.batches:
+        tokens, slots, page_table = run.inputs(batch)
+        positions = torch.full((batch,), run.settings.context, dtype=torch.int64)
+        step = DecodeBatch(tokens=tokens, positions=positions, state_slots=slots, page_table=page_table)
+        rows.append(run.measure(lambda step=step: runner.decode(step), mode, batch))
     runner.release()
     return rows, sweep.seconds
 
