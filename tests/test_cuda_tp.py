@@ -10,6 +10,7 @@ measured, not guessed: TP 2 must be as close to an fp32 reference (CPU, the same
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import time
 from dataclasses import dataclass
@@ -363,6 +364,7 @@ def test_rank_sigkilled_mid_decode_under_nccl_stops_every_rank(
             ex.decode([row(1, 0, 0, second.token, 4)])
         detected_s = time.monotonic() - started
         while any(_alive(pid) for pid in pids) and time.monotonic() - started < STEP_TIMEOUT_S:
+            multiprocessing.active_children()  # reaps a rank whose CUDA teardown outlasted the kill's join
             time.sleep(0.1)
         left = [pid for pid in pids if _alive(pid)]
         assert not left, (
