@@ -2,21 +2,25 @@
 
 Batch-1 decode is bound by reading the weights once, so the kernels are built for bandwidth:
 
-- **GEMV** (M <= ``GEMV_MAX_M``): every program streams ``BLOCK_N`` weight rows through wide,
-  contiguous ``BLOCK_K`` loads and keeps an fp32 partial product per element, reduced over K only
-  once at the end (no per-iteration shuffles). Small ``BLOCK_N`` gives thousands of programs, so
-  every SM has several resident and many bytes in flight. M = 1 has its own kernel (2-D
-  accumulator); M in 2..8 broadcasts the weight tile over the rows of x (3-D accumulator).
-- **Skinny GEMM** (larger M): ``tl.dot`` with the operands swapped (``y.T = w @ x.T``), so the weight
-  tile fills the MMA's wide M side (16..128 rows) and the batch (16/32/64) its narrow N side.
+- **GEMV** (M = 1): every program streams ``BLOCK_N`` weight rows through wide, contiguous
+  ``BLOCK_K`` loads (16-byte vectors) and keeps an fp32 partial product per element, reduced over
+  K only once at the end (no per-iteration shuffles or barriers). Small ``BLOCK_N`` gives thousands
+  of programs, so every SM has several resident and many bytes in flight.
+- **Skinny GEMM** (M >= 2): ``tl.dot`` with the operands swapped (``y.T = w @ x.T``), so the weight
+  tile fills the MMA's wide M side (16..128 rows) and the batch (16/32/64, padded) its narrow N
+  side; loads are pipelined through shared memory (cp.async). A broadcast GEMV for M = 2..8 was
+  tried and dropped: the [M, N, K] product forces a shared-memory layout conversion with four
+  barriers per K step (seen in the sm_90 PTX), while the MMA path pays only for padded FLOPs, which
+  a bandwidth-bound decode has to spare.
 - ``*_silu_and_mul``: the MLP's gate_up weight ``[2I, K]``; each program reads gate rows ``j`` and
   the matching up rows ``j + I`` and writes ``silu(gate) * up``: one launch, no ``[M, 2I]`` round trip.
 
 Split-K is left out on purpose: combining partial sums costs a zeroed fp32 buffer (memset) plus a
 convert launch, more than it saves inside a CUDA graph where each launch is ~1-2 µs.
 
-Autotuning and CUDA graphs: each kernel is tuned per (N, K, power-of-2 bucket of M, fused or not);
-the bucket is a kernel argument (``BLOCK_M``), never M itself. Decode graph buckets are powers of 2
+Autotuning and CUDA graphs: the GEMV is tuned per (N, K, fused or not), the GEMM per (N, K,
+``BLOCK_M``, fused or not), where ``BLOCK_M`` is the power-of-2 bucket of M clamped to 16..64,
+never M itself. Decode graph buckets are powers of 2
 (protocol/buckets.py), and the graph sweep's Warmup phase runs one eager decode step per bucket with
 exactly the bucket's row count before any Capture (worker/graphs.py), so every tuning key a captured
 graph uses has been tuned eagerly first and capture never benchmarks. Under ``TRITON_INTERPRET=1``
@@ -35,18 +39,14 @@ import triton.language as tl
 import triton.testing
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-GEMV_MAX_M = 8  # up to here the broadcast GEMV; above it the tl.dot skinny GEMM
 _DOT_MIN_M = 16  # tl.dot needs every block dimension >= 16
 _DOT_MAX_BLOCK_M = 64
-# fp32 partial products each thread may hold in the GEMV accumulators (the rest of the register
-# file holds the loaded tiles); configs above it would spill.
-_GEMV_ACC_REGS = 64
 
 
 @triton.jit
-def _gemv_m1_kernel(
+def _gemv_kernel(
     x_ptr, w_ptr, y_ptr, N, K, inter, stride_wn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU_MUL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU_MUL: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
@@ -68,37 +68,6 @@ def _gemv_m1_kernel(
     if SILU_MUL:
         out = out * tl.sigmoid(out) * tl.sum(acc_up, axis=1)
     tl.store(y_ptr + rows, out.to(y_ptr.dtype.element_ty), mask=row_mask)
-
-
-@triton.jit
-def _gemv_kernel(
-    x_ptr, w_ptr, y_ptr, M, N, K, inter, stride_xm, stride_wn, stride_ym,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU_MUL: tl.constexpr,
-):  # fmt: skip
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < N
-    ms = tl.arange(0, BLOCK_M)
-    m_mask = ms < M
-    cols = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + cols
-        k_mask = k < K
-        x_mask = m_mask[:, None] & k_mask[None, :]
-        x = tl.load(x_ptr + ms[:, None] * stride_xm + k[None, :], mask=x_mask, other=0.0).to(tl.float32)
-        tile_mask = row_mask[:, None] & k_mask[None, :]
-        w = tl.load(w_ptr + rows[:, None] * stride_wn + k[None, :], mask=tile_mask, other=0.0)
-        acc += x[:, None, :] * w.to(tl.float32)[None, :, :]
-        if SILU_MUL:
-            up_rows = rows + inter
-            w_up = tl.load(w_ptr + up_rows[:, None] * stride_wn + k[None, :], mask=tile_mask, other=0.0)
-            acc_up += x[:, None, :] * w_up.to(tl.float32)[None, :, :]
-    out = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
-    if SILU_MUL:
-        out = out * tl.sigmoid(out) * tl.sum(acc_up, axis=2)
-    y_ptrs = y_ptr + ms[:, None] * stride_ym + rows[None, :]
-    tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & row_mask[None, :])
 
 
 @triton.jit
@@ -143,7 +112,9 @@ def _config(block_n: int, block_k: int, warps: int, stages: int = 3) -> triton.C
     return triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k}, num_warps=warps, num_stages=stages)
 
 
-# (BLOCK_N, BLOCK_K, warps): from one row per program with very long loads to 32 rows with short ones.
+# (BLOCK_N, BLOCK_K, warps): from one row per program with very long loads to 32 rows with short
+# ones. Each keeps at most 64 fp32 accumulators a thread (twice BLOCK_N x BLOCK_K / threads when
+# fused), so none spills.
 _GEMV_CONFIGS = [
     _config(n, k, w)
     for n, k, w in [
@@ -166,44 +137,27 @@ _GEMM_CONFIGS = [
 _FIXED_INTERPRETER_CONFIG: dict[str, Any] = {"BLOCK_N": 16, "BLOCK_K": 32}
 
 
-def _prune_gemv(
-    configs: list[triton.Config], named_args: dict[str, Any], **kwargs: Any
-) -> list[triton.Config]:
-    """Drop configs whose accumulators (BLOCK_M x BLOCK_N x BLOCK_K fp32, twice if fused) would spill."""
-    args = {**named_args, **kwargs}
-    width = args["BLOCK_M"] * (2 if args["SILU_MUL"] else 1)
-
-    def acc_regs(cfg: triton.Config) -> float:
-        return width * cfg.kwargs["BLOCK_N"] * cfg.kwargs["BLOCK_K"] / (32 * cfg.num_warps)
-
-    fitting = [cfg for cfg in configs if acc_regs(cfg) <= _GEMV_ACC_REGS]
-    return fitting or [min(configs, key=acc_regs)]
-
-
 def _quick_bench(kernel_call: Any, quantiles: Any) -> Any:
     """Triton's benchmark (L2 flushed before every run) with short windows: a decode linear takes
     microseconds, so 20 ms of repetitions is hundreds of runs, and ~20 configs x ~50 keys stay cheap."""
     return triton.testing.do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
 
 
-def _autotuned(kernel: Any, configs: list[triton.Config], prune: Any = None) -> Any:
+def _autotuned(kernel: Any, configs: list[triton.Config], key: list[str]) -> Any:
     if _INTERPRET:
         return kernel
-    pruning = {"early_config_prune": prune} if prune is not None else None
     # cache_results: timings persist in Triton's cache dir, so later processes on the machine
     # (every rank, every restart) skip the benchmarking.
     return triton.autotune(
         configs,
-        key=["N", "K", "BLOCK_M", "SILU_MUL"],
-        prune_configs_by=pruning,
+        key=key,
         do_bench=_quick_bench,
         cache_results=True,
     )(kernel)
 
 
-_gemv_m1 = _autotuned(_gemv_m1_kernel, _GEMV_CONFIGS, _prune_gemv)
-_gemv = _autotuned(_gemv_kernel, _GEMV_CONFIGS, _prune_gemv)
-_skinny_gemm = _autotuned(_skinny_gemm_kernel, _GEMM_CONFIGS)
+_gemv = _autotuned(_gemv_kernel, _GEMV_CONFIGS, key=["N", "K", "SILU_MUL"])
+_skinny_gemm = _autotuned(_skinny_gemm_kernel, _GEMM_CONFIGS, key=["N", "K", "BLOCK_M", "SILU_MUL"])
 
 
 def _fixed_config() -> dict[str, Any]:
@@ -228,13 +182,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, n_out: int, silu_
         x = x.contiguous()
     if m == 1:
         grid = lambda meta: (triton.cdiv(n_out, meta["BLOCK_N"]),)  # noqa: E731
-        _gemv_m1[grid](x, w, y, n_out, k, n_out, w.stride(0), BLOCK_M=1, SILU_MUL=silu_mul, **_fixed_config())
-    elif m <= GEMV_MAX_M:
-        grid = lambda meta: (triton.cdiv(n_out, meta["BLOCK_N"]),)  # noqa: E731
-        _gemv[grid](
-            x, w, y, m, n_out, k, n_out, x.stride(0), w.stride(0), y.stride(0),
-            BLOCK_M=triton.next_power_of_2(m), SILU_MUL=silu_mul, **_fixed_config(),
-        )  # fmt: skip
+        _gemv[grid](x, w, y, n_out, k, n_out, w.stride(0), SILU_MUL=silu_mul, **_fixed_config())
     else:
         block_m = min(max(triton.next_power_of_2(m), _DOT_MIN_M), _DOT_MAX_BLOCK_M)
         grid = lambda meta: (triton.cdiv(n_out, meta["BLOCK_N"]), triton.cdiv(m, block_m))  # noqa: E731

@@ -1,7 +1,7 @@
 """The Triton decode linears at the 4B geometry's real shapes against F.linear, on the GPU.
 
 Every linear of a TP = 1 rank (GDN in/out, attention qkv/o, MLP gate_up fused with SiLU-and-mul,
-down, the vocab head) at M = 1 (GEMV), 3 (broadcast GEMV), 16 and 64 (tl.dot skinny GEMM);
+down, the vocab head) at M = 1 (GEMV), 3 (tl.dot GEMM, padded rows), 16 and 64 (tl.dot GEMM);
 bf16 outputs within 1e-2 relative error of an fp32 reference. Also: the dispatch in kernels.ops,
 and a captured CUDA graph replaying the tuned kernels. The first run on a machine compiles and
 autotunes every (shape, M bucket): a few minutes; Triton's cache makes later runs fast.
