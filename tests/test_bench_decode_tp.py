@@ -13,7 +13,7 @@ import torch
 from models.qwen35 import Qwen35Config
 from models.qwen35.sharding import RankLayout
 from tools import bench_decode
-from tools.bench_decode_tp import parse_tp, sharded_random_weights
+from tools.bench_decode_tp import sharded_random_weights
 
 CPU = torch.device("cpu")
 
@@ -48,12 +48,12 @@ def test_tp2_shards_are_the_slices_of_the_tp1_tensors() -> None:
     assert torch.equal(rank1, torch.cat([gate[inter // 2 :], up[inter // 2 :]])), "rank 1's fused gate|up"
 
 
-def test_parse_tp_refuses_nonsense() -> None:
-    assert parse_tp("1,2,4") == [1, 2, 4]
-    with pytest.raises(ValueError, match="--tp must be comma-separated integers, got 'two'"):
-        parse_tp("two")
-    with pytest.raises(ValueError, match="--tp needs TP degrees of at least 1, got '0,2'"):
-        parse_tp("0,2")
+def test_tp_degrees_refuse_nonsense() -> None:
+    assert bench_decode.tp_degrees("1,2,4") == [1, 2, 4]
+    with pytest.raises(argparse.ArgumentTypeError, match="must be comma-separated integers, got 'two'"):
+        bench_decode.tp_degrees("two")
+    with pytest.raises(argparse.ArgumentTypeError, match="needs TP degrees of at least 1, got '0,2'"):
+        bench_decode.tp_degrees("0,2")
 
 
 def test_two_gloo_ranks_print_the_table_and_match_tp1_logits(

@@ -89,6 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--tp",
+        type=tp_degrees,
         default="1",
         help="comma-separated TP degrees, e.g. 1,2,4: each spawns that many ranks (one GPU each, NCCL)",
     )
@@ -101,6 +102,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--json", default=None, help="also write the multi-rank table, ratios and logits check to this file"
     )
+
+
+def tp_degrees(text: str) -> list[int]:
+    """``--tp 1,2,4``: the tensor-parallel degrees to measure."""
+    try:
+        degrees = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be comma-separated integers, got {text!r}") from None
+    if not degrees or min(degrees) < 1:
+        raise argparse.ArgumentTypeError(f"needs TP degrees of at least 1, got {text!r}")
+    return degrees
 
 
 def config_dict(geometry: str) -> dict[str, object]:

@@ -51,17 +51,7 @@ TARGET_GRAPH_SPEEDUP = 1.3  # issue 9: graph >= 1.3 x eager at TP 2, batch 16
 
 def multi_rank_requested(args: argparse.Namespace) -> bool:
     """Whether ``bench decode`` takes this path: any TP degree but 1 alone, CPU, or JSON output."""
-    return parse_tp(args.tp) != [1] or args.device == "cpu" or args.json is not None
-
-
-def parse_tp(text: str) -> list[int]:
-    try:
-        degrees = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise ValueError(f"--tp must be comma-separated integers, got {text!r}") from None
-    if not degrees or min(degrees) < 1:
-        raise ValueError(f"--tp needs TP degrees of at least 1, got {text!r}")
-    return degrees
+    return args.tp != [1] or args.device == "cpu" or args.json is not None
 
 
 # ------------------------------------------------------------------------------ the sharded model
@@ -342,11 +332,7 @@ def _graph_rows(run: RankRun) -> tuple[list[dict[str, object]], float]:
 
 
 def run_tp(args: argparse.Namespace) -> int:
-    try:
-        degrees = parse_tp(args.tp)
-    except ValueError as exc:
-        print(f"phalanx bench decode: {exc}")
-        return 2
+    degrees = args.tp
     if args.device == "cuda":
         visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if visible < max(degrees):
