@@ -23,7 +23,8 @@ Autotuning and CUDA graphs: the GEMV is tuned per (N, K, fused or not), the GEMM
 never M itself. Decode graph buckets are powers of 2
 (protocol/buckets.py), and the graph sweep's Warmup phase runs one eager decode step per bucket with
 exactly the bucket's row count before any Capture (worker/graphs.py), so every tuning key a captured
-graph uses has been tuned eagerly first and capture never benchmarks. Under ``TRITON_INTERPRET=1``
+graph uses has been tuned eagerly first and capture never benchmarks. A key first met inside a
+capture is refused with a clear error (``_check_tuned``) rather than benchmarked there. Under ``TRITON_INTERPRET=1``
 (CPU tests) autotuning is bypassed with one small fixed config, and ``tl.dot`` operands are upcast
 to fp32 because the interpreter computes bf16 dot products wrongly.
 """
@@ -160,6 +161,24 @@ _gemv = _autotuned(_gemv_kernel, _GEMV_CONFIGS, key=["N", "K", "SILU_MUL"])
 _skinny_gemm = _autotuned(_skinny_gemm_kernel, _GEMM_CONFIGS, key=["N", "K", "BLOCK_M", "SILU_MUL"])
 
 
+# Tuning keys already met outside graph capture (the autotuner has tuned them or loaded them).
+_tuned_keys: set[tuple[object, ...]] = set()
+
+
+def _check_tuned(key: tuple[object, ...]) -> None:
+    """A key first met inside CUDA-graph capture would benchmark there, which the capture forbids;
+    refuse it with the shape instead of failing inside Triton."""
+    if key in _tuned_keys or _INTERPRET:
+        return
+    if torch.cuda.is_current_stream_capturing():
+        kernel, n, k, block_m, silu_mul, dtype = key
+        raise RuntimeError(
+            f"Triton linear ({kernel}, N={n}, K={k}, BLOCK_M={block_m}, fused={silu_mul}, {dtype}) "
+            "first met inside CUDA-graph capture: run one eager step of this batch bucket before capture"
+        )
+    _tuned_keys.add(key)
+
+
 def _fixed_config() -> dict[str, Any]:
     return dict(_FIXED_INTERPRETER_CONFIG) if _INTERPRET else {}
 
@@ -181,10 +200,12 @@ def _launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, n_out: int, silu_
     if x.stride(1) != 1:
         x = x.contiguous()
     if m == 1:
+        _check_tuned(("gemv", n_out, k, 1, silu_mul, x.dtype))
         grid = lambda meta: (triton.cdiv(n_out, meta["BLOCK_N"]),)  # noqa: E731
         _gemv[grid](x, w, y, n_out, k, n_out, w.stride(0), SILU_MUL=silu_mul, **_fixed_config())
     else:
         block_m = min(max(triton.next_power_of_2(m), _DOT_MIN_M), _DOT_MAX_BLOCK_M)
+        _check_tuned(("gemm", n_out, k, block_m, silu_mul, x.dtype))
         grid = lambda meta: (triton.cdiv(n_out, meta["BLOCK_N"]), triton.cdiv(m, block_m))  # noqa: E731
         _skinny_gemm[grid](
             x, w, y, m, n_out, k, n_out, x.stride(0), w.stride(0), y.stride(0),

@@ -89,3 +89,15 @@ def test_tuned_linears_replay_in_a_cuda_graph(weights: dict[str, torch.Tensor]) 
         torch.cuda.synchronize()
         expected = linear_triton(linear_silu_and_mul_triton(x, w_gate_up), w_down)
         assert torch.equal(out, expected), f"graph replay at M={m} differs from eager"
+
+
+def test_untuned_shape_inside_capture_is_refused() -> None:
+    w = torch.randn(336, 272, device=DEV).to(BF16)  # a shape no other test uses
+    x = torch.randn(1, 272, device=DEV).to(BF16)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with (
+        pytest.raises(RuntimeError, match=r"N=336, K=272, BLOCK_M=1, .* first met inside CUDA-graph capture"),
+        torch.cuda.graph(graph),
+    ):
+        linear_triton(x, w)
