@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import FastLaunch
+
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, y_ptr, inter, stride_x, stride_y, BLOCK: tl.constexpr):
@@ -18,6 +20,9 @@ def _silu_and_mul_kernel(x_ptr, y_ptr, inter, stride_x, stride_y, BLOCK: tl.cons
     tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+_silu_and_mul_launch = FastLaunch(_silu_and_mul_kernel)
+
+
 def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     n, two_inter = x.shape
     inter = two_inter // 2
@@ -27,7 +32,7 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     if n == 0:
         return y
     block = min(triton.next_power_of_2(inter), 2048)
-    _silu_and_mul_kernel[(n, triton.cdiv(inter, block))](
-        x, y, inter, x.stride(0), y.stride(0), BLOCK=block, num_warps=4
+    _silu_and_mul_launch(
+        (n, triton.cdiv(inter, block)), x, y, inter, x.stride(0), y.stride(0), block, num_warps=4
     )
     return y

@@ -18,8 +18,12 @@ def paged_decode_attention_ref(
     page_table: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [B, H, D]; row b attends to positions [0, seq_lens[b]). Fixed shapes, no host sync."""
+    """q [B, H, D]; row b attends to positions [0, seq_lens[b]). Fixed shapes, no host sync.
+
+    With ``gate`` [B, H, D] the output is ``attn * sigmoid(gate)`` in q's dtype (the attention
+    output gate of Qwen3.5's full-attention layers, fused so decode needs no extra kernels)."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     keys = _gather_pages(k_cache, page_table).float()  # [B, L, Hkv, D]
@@ -30,7 +34,8 @@ def paged_decode_attention_ref(
     visible = positions[None, :] < seq_lens.to(q.device).long()[:, None]  # [B, L]
     scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
     out = torch.einsum("bkgl,blkd->bkgd", scores.softmax(-1), values)
-    return out.reshape(batch, num_heads, head_dim).to(q.dtype)
+    out = out.reshape(batch, num_heads, head_dim).to(q.dtype)
+    return out if gate is None else out * torch.sigmoid(gate)
 
 
 def paged_prefill_attention_ref(

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import FastLaunch
+
 # The CPU interpreter computes bf16 dot products wrongly; upcast the operands there.
 _DOT_F32 = os.environ.get("TRITON_INTERPRET") == "1"
 _SMS = 132  # H200; only sizes the split-K grid, so a different GPU is still correct
@@ -25,6 +27,13 @@ def _load_kv_block(cache_ptr, pt_row_ptr, pos, pos_mask, stride_page, stride_tok
 
 
 @triton.jit
+def _apply_gate(out, gate, dtype: tl.constexpr):
+    """attn * sigmoid(gate), rounded where the unfused bf16 chain rounds: attn, the sigmoid, the product."""
+    attn = out.to(dtype).to(tl.float32)
+    return attn * tl.sigmoid(gate.to(tl.float32)).to(dtype).to(tl.float32)
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr,
     kc_ptr,
@@ -34,6 +43,7 @@ def _decode_kernel(
     o_ptr,
     po_ptr,
     plse_ptr,
+    gate_ptr,
     stride_qb,
     stride_qh,
     stride_page,
@@ -42,6 +52,8 @@ def _decode_kernel(
     stride_ptb,
     stride_ob,
     stride_oh,
+    stride_gb,
+    stride_gh,
     H,
     split_size,
     scale,
@@ -52,6 +64,7 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,
     SPLITS: tl.constexpr,
     DOT_F32: tl.constexpr,
+    HAS_GATE: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -93,6 +106,9 @@ def _decode_kernel(
     safe_l = tl.where(l_sum > 0.0, l_sum, 1.0)
     out = acc / safe_l[:, None]
     if SPLITS == 1:
+        if HAS_GATE:
+            g_ptrs = gate_ptr + b * stride_gb + heads[:, None] * stride_gh + d[None, :]
+            out = _apply_gate(out, tl.load(g_ptrs, mask=g_mask[:, None], other=0.0), o_ptr.dtype.element_ty)
         o_ptrs = o_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
         tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=g_mask[:, None])
     else:
@@ -104,7 +120,20 @@ def _decode_kernel(
 
 
 @triton.jit
-def _merge_kernel(po_ptr, plse_ptr, o_ptr, H, stride_ob, stride_oh, D: tl.constexpr, SPLITS: tl.constexpr):
+def _merge_kernel(
+    po_ptr,
+    plse_ptr,
+    o_ptr,
+    gate_ptr,
+    H,
+    stride_ob,
+    stride_oh,
+    stride_gb,
+    stride_gh,
+    D: tl.constexpr,
+    SPLITS: tl.constexpr,
+    HAS_GATE: tl.constexpr,
+):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, SPLITS)
@@ -115,7 +144,13 @@ def _merge_kernel(po_ptr, plse_ptr, o_ptr, H, stride_ob, stride_oh, D: tl.conste
     w = tl.where(lse > float("-inf"), tl.exp(lse - m), 0.0)
     parts = tl.load(po_ptr + (base + s)[:, None] * D + d[None, :])
     out = tl.sum(parts * w[:, None], axis=0) / tl.maximum(tl.sum(w, axis=0), 1e-30)
+    if HAS_GATE:
+        out = _apply_gate(out, tl.load(gate_ptr + b * stride_gb + h * stride_gh + d), o_ptr.dtype.element_ty)
     tl.store(o_ptr + b * stride_ob + h * stride_oh + d, out.to(o_ptr.dtype.element_ty))
+
+
+_decode_launch = FastLaunch(_decode_kernel)
+_merge_launch = FastLaunch(_merge_kernel)
 
 
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, dim: int) -> None:
@@ -144,11 +179,12 @@ def paged_decode_attention_triton(
     page_table: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     _check_cache(k_cache, v_cache, q.shape[-1])
     page_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     splits = _decode_splits(q.shape[0], kv_heads, page_table.shape[1] * page_size)
-    return decode_attention_with_splits(q, k_cache, v_cache, page_table, seq_lens, scale, splits)
+    return decode_attention_with_splits(q, k_cache, v_cache, page_table, seq_lens, scale, splits, gate)
 
 
 def decode_attention_with_splits(
@@ -159,6 +195,7 @@ def decode_attention_with_splits(
     seq_lens: torch.Tensor,
     scale: float,
     splits: int,
+    gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The decode attention with the KV range cut into ``splits`` (a power of two) parts."""
     batch, heads, dim = q.shape
@@ -166,7 +203,10 @@ def decode_attention_with_splits(
     group = heads // kv_heads
     if q.stride(-1) != 1:
         q = q.contiguous()
-    out = torch.empty_like(q)
+    if gate is not None and gate.stride(-1) != 1:
+        gate = gate.contiguous()
+    gate_arg = q if gate is None else gate  # an unused pointer when there is no gate
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
     block_n = 32
@@ -177,7 +217,8 @@ def decode_attention_with_splits(
         part_lse = torch.empty((batch, heads, splits), dtype=torch.float32, device=q.device)
     else:
         part_o, part_lse = out, out
-    _decode_kernel[(batch, kv_heads, splits)](
+    _decode_launch(
+        (batch, kv_heads, splits),
         q,
         k_cache,
         v_cache,
@@ -186,6 +227,7 @@ def decode_attention_with_splits(
         out,
         part_o,
         part_lse,
+        gate_arg,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -194,22 +236,38 @@ def decode_attention_with_splits(
         page_table.stride(0),
         out.stride(0),
         out.stride(1),
+        gate_arg.stride(0),
+        gate_arg.stride(1),
         heads,
         split_size,
         scale,
-        GROUP=group,
-        GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        D=dim,
-        PAGE=page_size,
-        BLOCK_N=block_n,
-        SPLITS=splits,
-        DOT_F32=_DOT_F32,
+        group,
+        max(16, triton.next_power_of_2(group)),
+        dim,
+        page_size,
+        block_n,
+        splits,
+        _DOT_F32,
+        gate is not None,
         num_warps=4,
         num_stages=2,
     )
     if splits > 1:
-        _merge_kernel[(batch, heads)](
-            part_o, part_lse, out, heads, out.stride(0), out.stride(1), D=dim, SPLITS=splits, num_warps=4
+        _merge_launch(
+            (batch, heads),
+            part_o,
+            part_lse,
+            out,
+            gate_arg,
+            heads,
+            out.stride(0),
+            out.stride(1),
+            gate_arg.stride(0),
+            gate_arg.stride(1),
+            dim,
+            splits,
+            gate is not None,
+            num_warps=4,
         )
     return out
 

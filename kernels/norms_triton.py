@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import FastLaunch
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -40,6 +42,9 @@ def _rms_norm_kernel(
     tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+_rms_norm_launch = FastLaunch(_rms_norm_kernel)
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
@@ -58,7 +63,8 @@ def rms_norm_triton(
     if n == 0:
         return y, h
     block = triton.next_power_of_2(hidden)
-    _rms_norm_kernel[(n,)](
+    _rms_norm_launch(
+        (n,),
         x,
         res,
         weight,
@@ -70,8 +76,8 @@ def rms_norm_triton(
         y.stride(0),
         h.stride(0),
         eps,
-        HAS_RESIDUAL=residual is not None,
-        BLOCK=block,
+        residual is not None,
+        block,
         num_warps=min(max(block // 256, 1), 8),
     )
     return y, h
@@ -110,6 +116,9 @@ def _gated_rms_norm_kernel(
     tl.store(y_ptr + rows[:, None] * D + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+_gated_rms_norm_launch = FastLaunch(_gated_rms_norm_kernel)
+
+
 def gated_rms_norm_triton(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     n, heads, dv = x.shape
     # Row and head strides are passed through: z is usually a column slice of a fused projection.
@@ -122,7 +131,8 @@ def gated_rms_norm_triton(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor
     if n_rows == 0:
         return y
     rows = 16
-    _gated_rms_norm_kernel[(triton.cdiv(n_rows, rows),)](
+    _gated_rms_norm_launch(
+        (triton.cdiv(n_rows, rows),),
         x,
         z,
         weight,
@@ -135,8 +145,8 @@ def gated_rms_norm_triton(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor
         z.stride(0),
         z.stride(1),
         eps,
-        ROWS=rows,
-        BLOCK_D=triton.next_power_of_2(dv),
+        rows,
+        triton.next_power_of_2(dv),
         num_warps=4,
     )
     return y

@@ -131,12 +131,13 @@ def paged_decode_attention(
     page_table: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if q.is_cuda:
         return _triton("attention", "paged_decode_attention")(
-            q, k_cache, v_cache, page_table, seq_lens, scale
+            q, k_cache, v_cache, page_table, seq_lens, scale, gate
         )
-    return paged_decode_attention_ref(q, k_cache, v_cache, page_table, seq_lens, scale)
+    return paged_decode_attention_ref(q, k_cache, v_cache, page_table, seq_lens, scale, gate)
 
 
 def paged_prefill_attention(

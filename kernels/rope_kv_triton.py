@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import FastLaunch
+
 
 @triton.jit
 def _norm_rope_head(src, w_ptr, cs_row, dst, eps, D: tl.constexpr, ROT: tl.constexpr):
@@ -82,6 +84,9 @@ def _norm_rope_write_kv_kernel(
         tl.store(vc_ptr + dst + d, v.to(vc_ptr.dtype.element_ty))
 
 
+_norm_rope_write_kv_launch = FastLaunch(_norm_rope_write_kv_kernel)
+
+
 def norm_rope_write_kv_triton(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -108,7 +113,8 @@ def norm_rope_write_kv_triton(
     if tokens == 0:
         return out
     cos_sin = cos_sin.contiguous()
-    _norm_rope_write_kv_kernel[(tokens, heads + kv_heads)](
+    _norm_rope_write_kv_launch(
+        (tokens, heads + kv_heads),
         q,
         k,
         v,
@@ -131,8 +137,8 @@ def norm_rope_write_kv_triton(
         k_cache.stride(2),
         eps,
         heads,
-        D=dim,
-        ROT=cos_sin.shape[1],
+        dim,
+        cos_sin.shape[1],
         num_warps=2,
     )
     return out

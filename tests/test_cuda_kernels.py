@@ -108,6 +108,11 @@ def test_paged_decode_attention(batch: int) -> None:
     for splits in (1, 8):
         got = decode_attention_with_splits(q, k_cache, v_cache, table, lens, HEAD_DIM**-0.5, splits)
         assert rel(got, ref) <= OUT_TOL
+    gate = rand(batch, HEADS, 2 * HEAD_DIM)[..., HEAD_DIM:]  # a strided view, as the model passes it
+    gated_ref = paged_decode_attention_ref(q, k_cache, v_cache, table, lens, HEAD_DIM**-0.5, gate)
+    for splits in (1, 8):
+        got = decode_attention_with_splits(q, k_cache, v_cache, table, lens, HEAD_DIM**-0.5, splits, gate)
+        assert rel(got, gated_ref) <= OUT_TOL, f"gated, {splits} splits"
 
 
 def test_paged_prefill_attention() -> None:

@@ -109,6 +109,12 @@ def check_paged_decode_attention() -> dict[str, float]:
     for splits in (2, 4):
         got = decode_attention_with_splits(q, k_cache, v_cache, page_table, seq_lens, 32**-0.5, splits)
         out[f"splits{splits}"] = _rel(got, ref)
+    # The fused output gate, read through a strided view as the model passes it.
+    gate = _rand(3, 8, 64)[..., 32:]
+    gated_ref = paged_decode_attention_ref(q, k_cache, v_cache, page_table, seq_lens, 32**-0.5, gate)
+    for splits in (1, 4):
+        got = decode_attention_with_splits(q, k_cache, v_cache, page_table, seq_lens, 32**-0.5, splits, gate)
+        out[f"gated_splits{splits}"] = _rel(got, gated_ref)
     return out
 
 

@@ -81,12 +81,12 @@ class FullAttention:
             attn = ops.paged_prefill_attention(
                 q, self.k_cache, self.v_cache, ctx.page_tables, ctx.cu_seqlens, ctx.starts, self.scale
             )
-        else:
-            attn = ops.paged_decode_attention(
-                q, self.k_cache, self.v_cache, ctx.page_tables, ctx.seq_lens, self.scale
+            gated = attn * torch.sigmoid(gate)
+        else:  # the output gate is fused into decode attention
+            gated = ops.paged_decode_attention(
+                q, self.k_cache, self.v_cache, ctx.page_tables, ctx.seq_lens, self.scale, gate
             )
-        gated = attn.reshape(tokens, -1) * torch.sigmoid(gate.reshape(tokens, -1))
-        return self.tp.all_reduce(ops.linear(gated, self.o_weight))
+        return self.tp.all_reduce(ops.linear(gated.reshape(tokens, -1), self.o_weight))
 
 
 class GatedDeltaNet:

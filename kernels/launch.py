@@ -1,0 +1,64 @@
+"""A cheaper way to launch a Triton kernel from Python, for eager decode where launches dominate.
+
+Batch-1 eager decode is host-bound: the GPU finishes each kernel before Python has launched the
+next. ``kernel[grid](...)`` goes through Triton's JIT dispatch every time (argument binding,
+specialisation key, cache lookup, launch-metadata hooks): about 27 µs a launch on the H200 hosts,
+against about 15 µs through the compiled handle. ``FastLaunch`` takes the JIT path once per
+specialisation and afterwards calls the compiled kernel's launcher directly.
+
+The cache key mirrors what Triton specialises on: each tensor's dtype and 16-byte alignment,
+each integer's ``== 1`` / ``% 16 == 0`` / 32-bit-range class, the exact value of every
+``tl.constexpr`` parameter and the launch options. Under ``TRITON_INTERPRET=1`` (CPU tests) there
+is no compiled handle and every launch goes through the interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import triton
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_INT32 = 1 << 31
+
+
+def _spec(arg: Any) -> Any:
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.data_ptr() % 16 == 0
+    if isinstance(arg, bool) or arg is None:
+        return arg
+    if isinstance(arg, int):
+        return arg == 1, arg % 16 == 0, -_INT32 <= arg < _INT32
+    return type(arg)
+
+
+class FastLaunch:
+    """Wraps one ``@triton.jit`` kernel. Call with the grid, every kernel parameter in order
+    (constexprs too, as plain values) and the launch options (``num_warps``...)."""
+
+    def __init__(self, kernel: Any) -> None:
+        self.kernel = kernel
+        self._constexpr = frozenset(p.num for p in getattr(kernel, "params", ()) if p.is_constexpr)
+        self._compiled: dict[tuple, Any] = {}
+        self._driver = None if _INTERPRET else triton.runtime.driver.active
+
+    def __call__(self, grid: tuple[int, ...], *args: Any, **options: Any) -> None:
+        if self._driver is None:
+            self.kernel[grid](*args, **options)
+            return
+        key = (
+            tuple(a if i in self._constexpr else _spec(a) for i, a in enumerate(args)),
+            tuple(options.items()),
+        )
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            # The JIT path compiles (or finds) this specialisation and launches it.
+            self._compiled[key] = self.kernel[grid](*args, **options)
+            return
+        device = self._driver.get_current_device()
+        stream = self._driver.get_current_stream(device)
+        gx, gy, gz = (*grid, 1, 1)[:3]
+        # No launch hooks are installed, so no launch metadata is built for them.
+        compiled.run(gx, gy, gz, stream, compiled.function, compiled.packed_metadata, None, None, None, *args)
