@@ -134,10 +134,61 @@ def check_dispatch_at_threshold() -> dict[str, float]:
     return _dispatched(SPLIT_MIN_BATCH + 1, torch.float32, "split")
 
 
-def check_split_fp32_above_threshold() -> dict[str, float]:
-    from kernels.gdn_recurrent_triton import gdn_decode_step_split
+def check_tuning_bucket_is_the_graph_bucket_capped() -> dict[str, float]:
+    from kernels.gdn_recurrent_triton import MAX_TUNING_ROWS, tuning_bucket
 
-    return _compare(gdn_decode_step_split, 20, torch.float32)
+    return {
+        "wrong_buckets": float([tuning_bucket(n) for n in (1, 3, 16, 17, 64)] != [1, 4, 16, 32, 64]),
+        "uncapped": float(tuning_bucket(256) != MAX_TUNING_ROWS),
+    }
+
+
+def _error_text(fn: Callable[[], None]) -> str:
+    try:
+        fn()
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def check_state_layout_errors_name_the_shapes() -> dict[str, float]:
+    from kernels.gdn_recurrent_triton import check_step_states
+
+    conv_state = torch.zeros(4, CONV_DIM, CONV_K - 1)
+    bf16_state = torch.zeros(4, HV, DK, DV, dtype=torch.bfloat16)
+    dtype_error = _error_text(lambda: check_step_states(conv_state, bf16_state, CONV_DIM, CONV_K))
+    shape_error = _error_text(
+        lambda: check_step_states(torch.zeros(4, 8, 3), torch.zeros(4, HV, DK, DV), CONV_DIM, CONV_K)
+    )
+    return {
+        "dtype_text": float(
+            not dtype_error.startswith("recurrent state must be contiguous float32, got torch.bfloat16")
+        ),
+        "shape_text": float(
+            shape_error != f"conv_state must be contiguous [slots, {CONV_DIM}, 3], got (4, 8, 3)"
+        ),
+    }
+
+
+def check_bucket_met_in_capture_borrows_nearest_tuned_tile() -> dict[str, float]:
+    from kernels import gdn_recurrent_triton as rec
+
+    rest = (2, 4, 128, 128, torch.bfloat16)
+    saved = dict(rec.TUNED_TILES)
+    rec.TUNED_TILES.clear()
+    rec.TUNED_TILES.update({(64, *rest): (64, 4), (16, *rest): (32, 2), (32, 9, 9): (8, 1)})
+    try:
+        return {
+            "equidistant_not_smaller_bucket": float(rec._tile_for_capture((32, *rest)) != (32, 2)),
+            "same_bucket_not_taken": float(rec._tile_for_capture((64, *rest)) != (64, 4)),
+            "other_heads_not_default": float(
+                rec._tile_for_capture((32, 3, 6, 128, 128, torch.bfloat16))
+                != (rec.DEFAULT_BV, rec.DEFAULT_WARPS)
+            ),
+        }
+    finally:
+        rec.TUNED_TILES.clear()
+        rec.TUNED_TILES.update(saved)
 
 
 CHECKS: dict[str, Callable[[], dict[str, float]]] = {
@@ -188,35 +239,6 @@ def test_split_step_matches_reference(name: str, interpreted_results: dict[str, 
     for key, err in errors.items():
         limit = TOLERANCE.get(key, EXACT)
         assert err <= limit, f"{name}.{key}: error {err:.3g} > {limit}"
-
-
-def test_tuning_bucket_is_the_graph_bucket_capped() -> None:
-    from kernels.gdn_recurrent_triton import MAX_TUNING_ROWS, tuning_bucket
-
-    assert [tuning_bucket(n) for n in (1, 3, 16, 17, 64)] == [1, 4, 16, 32, 64]
-    assert tuning_bucket(256) == MAX_TUNING_ROWS
-
-
-def test_state_layout_errors_name_the_shapes() -> None:
-    from kernels.gdn_recurrent_triton import check_step_states
-
-    conv_state = torch.zeros(4, CONV_DIM, CONV_K - 1)
-    with pytest.raises(ValueError, match="recurrent state must be contiguous float32, got torch.bfloat16"):
-        check_step_states(conv_state, torch.zeros(4, HV, DK, DV, dtype=torch.bfloat16), CONV_DIM, CONV_K)
-    with pytest.raises(
-        ValueError, match=rf"conv_state must be contiguous \[slots, {CONV_DIM}, 3\], got \(4, 8, 3\)"
-    ):
-        check_step_states(torch.zeros(4, 8, 3), torch.zeros(4, HV, DK, DV), CONV_DIM, CONV_K)
-
-
-def test_a_bucket_met_in_capture_borrows_the_nearest_tuned_tile(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kernels import gdn_recurrent_triton as rec
-
-    rest = (2, 4, 128, 128, torch.bfloat16)
-    monkeypatch.setattr(rec, "TUNED_TILES", {(64, *rest): (64, 4), (16, *rest): (32, 2), (32, 9, 9): (8, 1)})
-    assert rec._tile_for_capture((32, *rest)) == (32, 2)  # equidistant: the smaller bucket
-    assert rec._tile_for_capture((64, *rest)) == (64, 4)
-    assert rec._tile_for_capture((32, 3, 6, 128, 128, torch.bfloat16)) == (rec.DEFAULT_BV, rec.DEFAULT_WARPS)
 
 
 def test_bench_gdn_is_a_bench_kind_and_needs_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
