@@ -245,6 +245,7 @@ def bench_rank(rank: int, world_size: int, init_method: str, settings: BenchSett
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     started = time.perf_counter()
     model = build_sharded_model(settings.geometry, rank, world_size, device, dtype, settings.seed)
+    model.tp.enable_one_shot(dtype, device)  # as a serving rank does (PHALANX_ALL_REDUCE=nccl: off)
     built_s = time.perf_counter() - started
     max_batch = max(settings.batches)
     pages_per_row = -(-(settings.context + settings.steps + WARMUP_STEPS + 8) // PAGE_SIZE)

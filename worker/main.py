@@ -141,6 +141,7 @@ def _startup(sock: RankSocket, config: WorkerConfig) -> tuple[StepRunner, int] |
             raise ValueError(f"effective capacity {effective} exceeds local capacity {local}")
         phase = "startup:dist_init"
         _init_distributed(config, decision, device)
+        model.tp.enable_one_shot(model.dtype, device)
         phase = "startup:allocate"
         slots = state_slot_layout(effective.max_slots, config.cuda_graph)
         model.allocate_cache(effective.kv_pages + 1, effective.page_size, slots.total)

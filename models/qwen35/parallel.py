@@ -12,17 +12,28 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from kernels import ops
+from models.qwen35.one_shot import OneShotAllReduce, try_one_shot
 
 
 class TensorParallel:
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank = rank
         self.world_size = world_size
+        self.one_shot: OneShotAllReduce | None = None
+
+    def enable_one_shot(self, dtype: torch.dtype, device: torch.device) -> bool:
+        """Route small all-reduces through symmetric memory where the GPUs allow it (after the
+        process group exists, before any CUDA graph is captured)."""
+        self.one_shot = try_one_shot(dtype, device, self.rank, self.world_size)
+        return self.one_shot is not None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum of x over ranks (in place)."""
-        if self.world_size > 1:
-            dist.all_reduce(x)
+        """Sum of x over ranks: the returned tensor (x itself on the NCCL/gloo path)."""
+        if self.world_size == 1:
+            return x
+        if self.one_shot is not None and self.one_shot.fits(x):
+            return self.one_shot(x)
+        dist.all_reduce(x)
         return x
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
