@@ -250,3 +250,25 @@ def test_norm_rope_write_kv_fused() -> None:
     ref = norm_rope_write_kv_ref(q, k, v, qw, kw, 1e-6, pos, cos_sin, *refs, slots)
     assert rel(out, ref) <= OUT_TOL
     assert rel(caches[0], refs[0]) <= OUT_TOL and torch.equal(caches[1], refs[1])
+
+
+def test_fast_launch_repeats_and_new_specialisations_stay_correct() -> None:
+    """After the first launch of a specialisation, FastLaunch calls the compiled handle directly:
+    repeated launches on fresh inputs, and inputs that need another specialisation (a misaligned
+    view, a different row count), must all still match the reference."""
+    from kernels.activation import silu_and_mul_ref
+    from kernels.activation_triton import silu_and_mul_triton
+    from kernels.norms import rms_norm_ref
+    from kernels.norms_triton import rms_norm_triton
+
+    weight = rand(HIDDEN, scale=0.1)
+    for rows in (1, 1, 3, 1, 17):
+        x, res = rand(rows, HIDDEN), rand(rows, HIDDEN)
+        for got, ref in zip(
+            rms_norm_triton(x, weight, 1e-6, res), rms_norm_ref(x, weight, 1e-6, res), strict=True
+        ):
+            assert rel(got, ref) <= OUT_TOL, f"rms_norm, {rows} rows"
+        assert rel(rms_norm_triton(x, weight, 1e-6)[0], rms_norm_ref(x, weight, 1e-6)[0]) <= OUT_TOL
+    for offset in (0, 0, 1, 0):  # offset 1: a view whose data pointer is not 16-byte aligned
+        x = rand(2, 2 * INTER + 1)[:, offset : offset + 2 * INTER]
+        assert rel(silu_and_mul_triton(x), silu_and_mul_ref(x)) <= OUT_TOL, f"silu_and_mul, offset {offset}"
