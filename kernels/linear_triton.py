@@ -24,20 +24,25 @@ never M itself. Decode graph buckets are powers of 2
 (protocol/buckets.py), and the graph sweep's Warmup phase runs one eager decode step per bucket with
 exactly the bucket's row count before any Capture (worker/graphs.py), so every tuning key a captured
 graph uses has been tuned eagerly first and capture never benchmarks. A key first met inside a
-capture is refused with a clear error (``_check_tuned``) rather than benchmarked there. Under ``TRITON_INTERPRET=1``
+capture is refused with a clear error rather than benchmarked there. After its first (tuning)
+launch, a key's pick is launched through ``kernels/launch.py``'s compiled handle (``_run``). Under ``TRITON_INTERPRET=1``
 (CPU tests) autotuning is bypassed with one small fixed config, and ``tl.dot`` operands are upcast
 to fp32 because the interpreter computes bf16 dot products wrongly.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 import triton.testing
+
+from kernels.launch import FastLaunch
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _DOT_MIN_M = 16  # tl.dot needs every block dimension >= 16
@@ -161,26 +166,50 @@ _gemv = _autotuned(_gemv_kernel, _GEMV_CONFIGS, key=["N", "K", "SILU_MUL"])
 _skinny_gemm = _autotuned(_skinny_gemm_kernel, _GEMM_CONFIGS, key=["N", "K", "BLOCK_M", "SILU_MUL"])
 
 
-# Tuning keys already met outside graph capture (the autotuner has tuned them or loaded them).
-_tuned_keys: set[tuple[object, ...]] = set()
+_KEY_FIELDS = ("N", "K", "BLOCK_M", "fused", "dtype")  # of a tuning key, after the kernel's name
+# The autotuner's pick per tuning key, once it has tuned (or loaded) it outside graph capture.
+_best_configs: dict[tuple[object, ...], triton.Config] = {}
+_KERNELS = {"gemv": (_gemv, _gemv_kernel), "gemm": (_skinny_gemm, _skinny_gemm_kernel)}
 
 
-def _check_tuned(key: tuple[object, ...]) -> None:
-    """A key first met inside CUDA-graph capture would benchmark there, which the capture forbids;
-    refuse it with the shape instead of failing inside Triton."""
-    if key in _tuned_keys or _INTERPRET:
+@functools.cache
+def _fast_launch(kind: str) -> FastLaunch:
+    # Made on first use: FastLaunch binds the GPU driver, which a CPU-only import must not need.
+    return FastLaunch(_KERNELS[kind][1])
+
+
+def _run(
+    kind: str,
+    key: tuple[object, ...],
+    grid_of: Callable[[dict[str, Any]], tuple[int, ...]],
+    args: tuple[object, ...],
+    constexprs: dict[str, Any],
+) -> None:
+    """The first launch of a tuning key goes through the autotuner (tuning it); later ones launch
+    its pick straight through the compiled handle (``FastLaunch``), skipping the autotuner's and
+    the JIT's per-call dispatch, which dominate an eager batch-1 decode step."""
+    autotuned, kernel = _KERNELS[kind]
+    if _INTERPRET:
+        meta = {**constexprs, **_FIXED_INTERPRETER_CONFIG}
+        kernel[grid_of(meta)](*args, **meta)
         return
-    if torch.cuda.is_current_stream_capturing():
-        kernel, n, k, block_m, silu_mul, dtype = key
-        raise RuntimeError(
-            f"Triton linear ({kernel}, N={n}, K={k}, BLOCK_M={block_m}, fused={silu_mul}, {dtype}) "
-            "first met inside CUDA-graph capture: run one eager step of this batch bucket before capture"
-        )
-    _tuned_keys.add(key)
-
-
-def _fixed_config() -> dict[str, Any]:
-    return dict(_FIXED_INTERPRETER_CONFIG) if _INTERPRET else {}
+    best = _best_configs.get(key)
+    if best is None:
+        if torch.cuda.is_current_stream_capturing():
+            # Tuning benchmarks, which a capture forbids: refuse with the shape, not inside Triton.
+            shape = ", ".join(f"{name}={value}" for name, value in zip(_KEY_FIELDS, key[1:], strict=True))
+            raise RuntimeError(
+                f"Triton linear {kind} ({shape}) first met inside CUDA-graph capture: "
+                "run one eager step of this batch bucket before capture"
+            )
+        autotuned[grid_of](*args, **constexprs)
+        _best_configs[key] = autotuned.best_config
+        return
+    meta = {**constexprs, **best.kwargs}
+    constexpr_values = [meta[name] for name in kernel.arg_names[len(args) :]]
+    _fast_launch(kind)(
+        grid_of(meta), *args, *constexpr_values, num_warps=best.num_warps, num_stages=best.num_stages
+    )
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, op: str) -> None:
@@ -200,17 +229,22 @@ def _launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, n_out: int, silu_
     if x.stride(1) != 1:
         x = x.contiguous()
     if m == 1:
-        _check_tuned(("gemv", n_out, k, 1, silu_mul, x.dtype))
-        grid = lambda meta: (triton.cdiv(n_out, meta["BLOCK_N"]),)  # noqa: E731
-        _gemv[grid](x, w, y, n_out, k, n_out, w.stride(0), SILU_MUL=silu_mul, **_fixed_config())
+        _run(
+            "gemv",
+            ("gemv", n_out, k, 1, silu_mul, x.dtype),
+            lambda meta: (triton.cdiv(n_out, meta["BLOCK_N"]),),
+            (x, w, y, n_out, k, n_out, w.stride(0)),
+            {"SILU_MUL": silu_mul},
+        )
     else:
         block_m = min(max(triton.next_power_of_2(m), _DOT_MIN_M), _DOT_MAX_BLOCK_M)
-        _check_tuned(("gemm", n_out, k, block_m, silu_mul, x.dtype))
-        grid = lambda meta: (triton.cdiv(n_out, meta["BLOCK_N"]), triton.cdiv(m, block_m))  # noqa: E731
-        _skinny_gemm[grid](
-            x, w, y, m, n_out, k, n_out, x.stride(0), w.stride(0), y.stride(0),
-            BLOCK_M=block_m, SILU_MUL=silu_mul, DOT_F32=_INTERPRET, **_fixed_config(),
-        )  # fmt: skip
+        _run(
+            "gemm",
+            ("gemm", n_out, k, block_m, silu_mul, x.dtype),
+            lambda meta: (triton.cdiv(n_out, meta["BLOCK_N"]), triton.cdiv(m, block_m)),
+            (x, w, y, m, n_out, k, n_out, x.stride(0), w.stride(0), y.stride(0)),
+            {"BLOCK_M": block_m, "SILU_MUL": silu_mul, "DOT_F32": _INTERPRET},
+        )
     return y
 
 

@@ -2,7 +2,8 @@
 
 Every linear of a TP = 1 rank (GDN in/out, attention qkv/o, MLP gate_up fused with SiLU-and-mul,
 down, the vocab head) at M = 1 (GEMV), 3 (tl.dot GEMM, padded rows), 16 and 64 (tl.dot GEMM);
-bf16 outputs within 1e-2 relative error of an fp32 reference. Also: the dispatch in kernels.ops,
+bf16 outputs within 1e-2 relative error of an fp32 reference, and the second launch (the tuned
+config through FastLaunch) equal to the first (through the autotuner). Also: the dispatch in kernels.ops,
 and a captured CUDA graph replaying the tuned kernels. The first run on a machine compiles and
 autotunes every (shape, M bucket): a few minutes; Triton's cache makes later runs fast.
 """
@@ -49,13 +50,15 @@ def weights() -> dict[str, torch.Tensor]:
 def test_linear_matches_fp32_reference(shape: LinearShape, m: int, weights: dict[str, torch.Tensor]) -> None:
     w = weights[shape.name]
     x = torch.randn(m, shape.k, device=DEV).to(BF16)
+    op = linear_silu_and_mul_triton if shape.fused_silu else linear_triton
     if shape.fused_silu:
-        out = linear_silu_and_mul_triton(x, w)
         gate, up = F.linear(x.float(), w.float()).chunk(2, dim=-1)
         ref = F.silu(gate) * up
     else:
-        out = linear_triton(x, w)
         ref = F.linear(x.float(), w.float())
+    tuned = op(x, w)  # the first launch of a key tunes it through the autotuner
+    out = op(x, w)  # later launches take the tuned config through FastLaunch
+    assert torch.equal(out, tuned), f"{shape.name} M={m}: FastLaunch result differs from the autotuned launch"
     assert out.dtype == BF16 and out.shape == ref.shape
     err = rel(out, ref)
     assert err <= TOL, f"{shape.name} {shape.n}x{shape.k} M={m}: relative error {err:.3g} > {TOL}"
