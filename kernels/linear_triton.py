@@ -19,15 +19,15 @@ Split-K is left out on purpose: combining partial sums costs a zeroed fp32 buffe
 convert launch, more than it saves inside a CUDA graph where each launch is ~1-2 µs.
 
 Autotuning and CUDA graphs: the GEMV is tuned per (N, K, fused or not), the GEMM per (N, K,
-``BLOCK_M``, fused or not), where ``BLOCK_M`` is the power-of-2 bucket of M clamped to 16..64,
-never M itself. Decode graph buckets are powers of 2
-(protocol/buckets.py), and the graph sweep's Warmup phase runs one eager decode step per bucket with
-exactly the bucket's row count before any Capture (worker/graphs.py), so every tuning key a captured
-graph uses has been tuned eagerly first and capture never benchmarks. A key first met inside a
-capture is refused with a clear error rather than benchmarked there. After its first (tuning)
-launch, a key's pick is launched through ``kernels/launch.py``'s compiled handle (``_run``). Under ``TRITON_INTERPRET=1``
-(CPU tests) autotuning is bypassed with one small fixed config, and ``tl.dot`` operands are upcast
-to fp32 because the interpreter computes bf16 dot products wrongly.
+``BLOCK_M``, fused or not), where ``BLOCK_M`` is the power-of-2 bucket of M clamped to 16..64, never
+M itself. Decode graph buckets are powers of 2 (protocol/buckets.py), and the graph sweep's Warmup
+phase runs one eager decode step per bucket with exactly the bucket's row count before any Capture
+(worker/graphs.py), so every tuning key a captured graph uses has been tuned eagerly first and
+capture never benchmarks. A key first met inside a capture is refused with a clear error rather than
+benchmarked there. After its first (tuning) launch, a key's pick is launched through
+``kernels/launch.py``'s compiled handle (``_run``). Under ``TRITON_INTERPRET=1`` (CPU tests)
+autotuning is bypassed with one small fixed config, and ``tl.dot`` operands are upcast to fp32
+because the interpreter computes bf16 dot products wrongly.
 """
 
 from __future__ import annotations
