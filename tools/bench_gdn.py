@@ -1,7 +1,8 @@
 """``phalanx bench gdn``: the Gated DeltaNet decode step of one layer, fused kernel vs split path.
 
 Per batch size and path (``fused``: the single-kernel step; ``split``: conv, the recurrence split
-over dv, gated norm; ``dispatch``: what ``gdn_decode_step_triton`` picks) the step is timed inside
+over dv, gated norm; ``dispatch``: what ``gdn_decode_step_triton`` picks; ``copy``: a plain
+``copy_`` of the same recurrent state bytes, the attainable figure) the step is timed inside
 a CUDA graph of ``--calls`` back-to-back calls, so Python launch cost is excluded. The calls cycle
 over enough distinct state tensors (each one layer's worth: [batch, Hv, dk, dv] fp32 plus the conv
 state) that the state streams from HBM rather than L2, as it does across a model's layers. The
@@ -23,7 +24,7 @@ import torch
 COPY_BANDWIDTH = 4.3e12  # bytes/s, device-to-device copy measured on the H200 (read + write)
 L2_FLUSH_BYTES = 256e6  # several times the H200's 60 MB L2
 CONV_K = 4
-PATHS = ("fused", "split", "dispatch")
+PATHS = ("fused", "split", "dispatch", "copy")
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ class Timing:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", default="1,8,16,32,64,128,256", help="comma-separated batch sizes")
-    parser.add_argument("--paths", default="fused,split", help=f"comma-separated, of {', '.join(PATHS)}")
+    parser.add_argument("--paths", default="fused,split,copy", help=f"comma-separated, of {', '.join(PATHS)}")
     parser.add_argument("--key-heads", type=int, default=16, help="Hk (4B at TP 1: 16)")
     parser.add_argument("--value-heads", type=int, default=32, help="Hv (4B at TP 1: 32)")
     parser.add_argument("--head-dim", type=int, default=128, help="dk = dv")
@@ -98,27 +99,35 @@ def _state_sets(
 
 
 def time_path(batch: int, path: str, args: argparse.Namespace, device: torch.device) -> Timing:
-    step = _step_fn(path)
     x = _layer_inputs(batch, args, device)
     sets = _state_sets(batch, args, device)
     calls = max(args.calls, len(sets))
+    if path == "copy":
+        # The reference row: the recurrent state's bytes read once and written once, nothing else.
+        destination = torch.empty_like(sets[0][1])
 
-    def one(i: int) -> torch.Tensor:
-        conv_state, state = sets[i % len(sets)]
-        return step(
-            x["mixed_qkv"],
-            x["conv_weight"],
-            conv_state,
-            x["z"],
-            x["a"],
-            x["b"],
-            x["A_log"],
-            x["dt_bias"],
-            x["norm_weight"],
-            1e-6,
-            state,
-            x["state_slots"],
-        )
+        def one(i: int) -> torch.Tensor:
+            return destination.copy_(sets[i % len(sets)][1])
+
+    else:
+        step = _step_fn(path)
+
+        def one(i: int) -> torch.Tensor:
+            conv_state, state = sets[i % len(sets)]
+            return step(
+                x["mixed_qkv"],
+                x["conv_weight"],
+                conv_state,
+                x["z"],
+                x["a"],
+                x["b"],
+                x["A_log"],
+                x["dt_bias"],
+                x["norm_weight"],
+                1e-6,
+                state,
+                x["state_slots"],
+            )
 
     for i in range(len(sets)):  # compile, autotune (split) and touch every set outside the graph
         one(i)
@@ -151,6 +160,8 @@ def _tile(batch: int, path: str, args: argparse.Namespace) -> str:
     from kernels.gdn_recurrent_triton import TUNED_TILES, tuning_bucket
     from kernels.gdn_step_triton import SPLIT_MIN_BATCH
 
+    if path == "copy":
+        return "torch copy_ of the state"
     if path == "fused" or (path == "dispatch" and batch < SPLIT_MIN_BATCH):
         return "one program per (row, key head), 8 warps"
     heads = (args.key_heads, args.value_heads, args.head_dim, args.head_dim)
