@@ -232,7 +232,9 @@ def _launch_fixed(
 ) -> None:
     bv = min(tile[0], triton.next_power_of_2(shape["DV"]))
     grid = (triton.cdiv(shape["DV"], bv), shape["HV"], batch)
-    _recurrent_kernel[grid](*args, *strides, bucket, **shape, BV=bv, num_warps=tile[1])
+    # The launch options exactly as the autotuner passes them, so a tuned tile's binary is reused.
+    options = triton.Config({"BV": bv}, num_warps=tile[1]).all_kwargs()
+    _recurrent_kernel[grid](*args, *strides, bucket, **shape, **options)
 
 
 def _tune_on_scratch(
