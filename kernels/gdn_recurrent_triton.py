@@ -184,25 +184,25 @@ def recurrent_decode(
     if batch == 0:
         return o
     args = [conv_out, a, b, A_log, dt_bias, state, state_slots, o]
-    strides = [conv_out.stride(0), a.stride(0), b.stride(0), state.stride(0), dk**-0.5]
+    scalars = [conv_out.stride(0), a.stride(0), b.stride(0), state.stride(0), dk**-0.5]
     shape = dict(HK=key_heads, HV=hv, DK=dk, DV=dv, BK=triton.next_power_of_2(dk))
     bucket = tuning_bucket(batch)
     if _interpreting():
-        _launch_fixed(args, strides, bucket, shape, batch, INTERPRET_TILE)
+        _launch_fixed(args, scalars, bucket, shape, batch, INTERPRET_TILE)
         return o
     # Triton's autotuner keys on the named arguments plus every tensor argument's dtype: this key
     # must hit exactly when Triton's does, or Triton would benchmark on the live state.
     key = (bucket, key_heads, hv, dk, dv, *(t.dtype for t in args), state.device)
     if key not in TUNED_TILES:
         if torch.cuda.is_current_stream_capturing():
-            _launch_fixed(args, strides, bucket, shape, batch, _tile_for_capture(key))
+            _launch_fixed(args, scalars, bucket, shape, batch, _tile_for_capture(key))
             return o
-        _tune_on_scratch(key, args, strides, bucket, shape)
+        _tune_on_scratch(key, args, scalars, bucket, shape)
 
     def grid(meta: dict[str, int]) -> tuple[int, int, int]:
         return (triton.cdiv(dv, meta["BV"]), hv, batch)
 
-    _tuned_kernel[grid](*args, *strides, bucket, **shape)
+    _tuned_kernel[grid](*args, *scalars, bucket, **shape)
     return o
 
 
@@ -224,7 +224,7 @@ def _tile_for_capture(key: tuple[object, ...]) -> tuple[int, int]:
 
 def _launch_fixed(
     args: list[torch.Tensor],
-    strides: list[object],
+    scalars: list[object],
     bucket: int,
     shape: dict[str, int],
     batch: int,
@@ -234,13 +234,13 @@ def _launch_fixed(
     grid = (triton.cdiv(shape["DV"], bv), shape["HV"], batch)
     # The launch options exactly as the autotuner passes them, so a tuned tile's binary is reused.
     options = triton.Config({"BV": bv}, num_warps=tile[1]).all_kwargs()
-    _recurrent_kernel[grid](*args, *strides, bucket, **shape, **options)
+    _recurrent_kernel[grid](*args, *scalars, bucket, **shape, **options)
 
 
 def _tune_on_scratch(
     key: tuple[object, ...],
     args: list[torch.Tensor],
-    strides: list[object],
+    scalars: list[object],
     bucket: int,
     shape: dict[str, int],
 ) -> None:
@@ -252,7 +252,7 @@ def _tune_on_scratch(
     slots = torch.arange(bucket, dtype=args[6].dtype, device=state.device)
     scratch_o = torch.empty((bucket, shape["HV"], shape["DV"]), dtype=conv_out.dtype, device=state.device)
     scratch = [conv_out[rows].contiguous(), a[rows].contiguous(), b[rows].contiguous(), A_log, dt_bias]
-    scratch_strides = [
+    scratch_scalars = [
         scratch[0].stride(0),
         scratch[1].stride(0),
         scratch[2].stride(0),
@@ -263,7 +263,7 @@ def _tune_on_scratch(
         return (triton.cdiv(shape["DV"], meta["BV"]), shape["HV"], bucket)
 
     _tuned_kernel[grid](
-        *scratch, scratch_state, slots, scratch_o, *scratch_strides, strides[-1], bucket, **shape
+        *scratch, scratch_state, slots, scratch_o, *scratch_scalars, scalars[-1], bucket, **shape
     )
     best = _tuned_kernel.best_config
     TUNED_TILES[key] = (best.kwargs["BV"], best.num_warps)
