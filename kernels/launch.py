@@ -42,10 +42,9 @@ class FastLaunch:
         self.kernel = kernel
         self._constexpr = frozenset(p.num for p in getattr(kernel, "params", ()) if p.is_constexpr)
         self._compiled: dict[tuple, Any] = {}
-        self._driver = None if _INTERPRET else triton.runtime.driver.active
 
     def __call__(self, grid: tuple[int, ...], *args: Any, **options: Any) -> None:
-        if self._driver is None:
+        if _INTERPRET:
             self.kernel[grid](*args, **options)
             return
         key = (
@@ -57,8 +56,9 @@ class FastLaunch:
             # The JIT path compiles (or finds) this specialisation and launches it.
             self._compiled[key] = self.kernel[grid](*args, **options)
             return
-        device = self._driver.get_current_device()
-        stream = self._driver.get_current_stream(device)
+        # Looked up per launch, not at import: importing must work on a machine without a GPU.
+        driver = triton.runtime.driver.active
+        stream = driver.get_current_stream(driver.get_current_device())
         gx, gy, gz = (*grid, 1, 1)[:3]
         # No launch hooks are installed, so no launch metadata is built for them.
         compiled.run(gx, gy, gz, stream, compiled.function, compiled.packed_metadata, None, None, None, *args)
