@@ -20,6 +20,7 @@ from kernels.conv1d_triton import conv_decode_channels
 from kernels.gdn_recurrent_triton import check_step_states, gdn_decode_step_split
 from kernels.gdn_step import gdn_split_sizes
 from kernels.gdn_triton import delta_rule_update, l2_normalize, softplus_gate
+from kernels.launch import FastLaunch
 
 # Batch rows from which the split path runs (a graph bucket boundary).
 SPLIT_MIN_BATCH = 16
@@ -88,6 +89,9 @@ def _gdn_decode_step_kernel(
         tl.store(y_ptr + (row * HV + h) * DV + dv, y.to(y_ptr.dtype.element_ty), mask=v_mask)
 
 
+_fused_step_launch = FastLaunch(_gdn_decode_step_kernel)
+
+
 def gdn_decode_step_triton(
     mixed_qkv: torch.Tensor,
     conv_weight: torch.Tensor,
@@ -138,9 +142,10 @@ def gdn_decode_step_fused(
     y = torch.empty((batch, hv, dv), dtype=mixed_qkv.dtype, device=mixed_qkv.device)
     if batch == 0:
         return y
-    _gdn_decode_step_kernel[(batch, hk)](
+    _fused_step_launch(
+        (batch, hk),
         mixed_qkv,
-        conv_weight.reshape(conv_dim, kernel).contiguous(),
+        conv_weight if conv_weight.is_contiguous() else conv_weight.contiguous(),
         conv_state,
         z,
         a,
@@ -159,13 +164,13 @@ def gdn_decode_step_fused(
         state.stride(0),
         eps,
         dk**-0.5,
-        HK=hk,
-        HV=hv,
-        DK=dk,
-        DV=dv,
-        K=kernel,
-        BK=triton.next_power_of_2(dk),
-        BV=triton.next_power_of_2(dv),
+        hk,
+        hv,
+        dk,
+        dv,
+        kernel,
+        triton.next_power_of_2(dk),
+        triton.next_power_of_2(dv),
         num_warps=8,
     )
     return y
