@@ -255,11 +255,8 @@ def gdn_decode_step(
     eps: float,
     state: torch.Tensor,
     state_slots: torch.Tensor,
-    launch_bound: bool = True,
 ) -> torch.Tensor:
-    """``launch_bound``: the caller is bound by kernel launches (eager decode), so small batches
-    take the single fused kernel; in CUDA graphs (False) the faster multi-kernel path always runs."""
     args = (mixed_qkv, conv_weight, conv_state, z, a, b, A_log, dt_bias, norm_weight, eps, state, state_slots)
     if mixed_qkv.is_cuda:
-        return _triton("gdn_step", "gdn_decode_step")(*args, launch_bound=launch_bound)
+        return _triton("gdn_step", "gdn_decode_step")(*args)
     return gdn_decode_step_ref(*args)

@@ -131,8 +131,6 @@ class DecodeGraphRunner:
         if geometry.max_pages < 1:
             raise ValueError(f"graph page-table width {geometry.max_pages} must be at least 1")
         self.model = model
-        # Warm-up, capture and replay all take the kernels that are fastest on the GPU.
-        model.launch_bound_decode = False
         self.geometry = geometry
         self.device = device
         self.rank = rank

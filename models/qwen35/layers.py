@@ -30,7 +30,6 @@ class StepContext:
     page_tables: torch.Tensor | None = None  # prefill [n, P] / decode [B, P] int32
     has_initial_state: torch.Tensor | None = None  # prefill [n] bool
     seq_lens: torch.Tensor | None = None  # decode [B] int32
-    launch_bound: bool = True  # decode runs eagerly (not in a CUDA graph): prefer fewer launches
 
     @property
     def is_prefill(self) -> bool:
@@ -143,7 +142,6 @@ class GatedDeltaNet:
                 self.eps,
                 self.recurrent_state,
                 ctx.state_slots,
-                launch_bound=ctx.launch_bound,
             )
             return self.tp.all_reduce(ops.linear(y.reshape(tokens, -1), self.out_weight))
         mixed = ops.causal_conv1d_prefill(

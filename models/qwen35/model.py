@@ -51,8 +51,6 @@ class Qwen35Model:
         )
         self.page_size = 0
         self.num_state_slots = 0
-        # False once decode runs from CUDA graphs, where launches are cheap (see StepContext).
-        self.launch_bound_decode = True
 
     @classmethod
     def load(
@@ -205,7 +203,6 @@ class Qwen35Model:
             state_slots=batch.state_slots,
             page_tables=batch.page_table,
             seq_lens=(positions + 1).to(torch.int32),
-            launch_bound=self.launch_bound_decode,
         )
         return self._logits(self._layers(batch.tokens, ctx))
 
