@@ -24,6 +24,10 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _INT32 = 1 << 31
 
 
+def _exact(arg: Any) -> Any:
+    return arg
+
+
 def _spec(arg: Any) -> Any:
     if isinstance(arg, torch.Tensor):
         return arg.dtype, arg.data_ptr() % 16 == 0
@@ -40,17 +44,16 @@ class FastLaunch:
 
     def __init__(self, kernel: Any) -> None:
         self.kernel = kernel
-        self._constexpr = frozenset(p.num for p in getattr(kernel, "params", ()) if p.is_constexpr)
+        constexpr = {p.num for p in getattr(kernel, "params", ()) if p.is_constexpr}
+        count = len(getattr(kernel, "params", ()))
+        self._spec_of = [_exact if i in constexpr else _spec for i in range(count)]
         self._compiled: dict[tuple, Any] = {}
 
     def __call__(self, grid: tuple[int, ...], *args: Any, **options: Any) -> None:
         if _INTERPRET:
             self.kernel[grid](*args, **options)
             return
-        key = (
-            tuple(a if i in self._constexpr else _spec(a) for i, a in enumerate(args)),
-            tuple(options.items()),
-        )
+        key = (*[spec(a) for spec, a in zip(self._spec_of, args, strict=True)], *options.values())
         compiled = self._compiled.get(key)
         if compiled is None:
             # The JIT path compiles (or finds) this specialisation and launches it.

@@ -169,6 +169,8 @@ _skinny_gemm = _autotuned(_skinny_gemm_kernel, _GEMM_CONFIGS, key=["N", "K", "BL
 _KEY_FIELDS = ("N", "K", "BLOCK_M", "fused", "dtype")  # of a tuning key, after the kernel's name
 # The autotuner's pick per tuning key, once it has tuned (or loaded) it outside graph capture.
 _best_configs: dict[tuple[object, ...], triton.Config] = {}
+# Per tuning key, everything a launch needs besides the tensors (built once, after tuning).
+_prepared: dict[tuple[object, ...], tuple[FastLaunch, dict[str, Any], list[Any], dict[str, int]]] = {}
 _KERNELS = {"gemv": (_gemv, _gemv_kernel), "gemm": (_skinny_gemm, _skinny_gemm_kernel)}
 
 
@@ -193,6 +195,11 @@ def _run(
         meta = {**constexprs, **_FIXED_INTERPRETER_CONFIG}
         kernel[grid_of(meta)](*args, **meta)
         return
+    prepared = _prepared.get(key)
+    if prepared is not None:
+        launch, meta, constexpr_values, options = prepared
+        launch(grid_of(meta), *args, *constexpr_values, **options)
+        return
     best = _best_configs.get(key)
     if best is None:
         if torch.cuda.is_current_stream_capturing():
@@ -207,9 +214,9 @@ def _run(
         return
     meta = {**constexprs, **best.kwargs}
     constexpr_values = [meta[name] for name in kernel.arg_names[len(args) :]]
-    _fast_launch(kind)(
-        grid_of(meta), *args, *constexpr_values, num_warps=best.num_warps, num_stages=best.num_stages
-    )
+    options = {"num_warps": best.num_warps, "num_stages": best.num_stages}
+    _prepared[key] = (_fast_launch(kind), meta, constexpr_values, options)
+    _fast_launch(kind)(grid_of(meta), *args, *constexpr_values, **options)
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, op: str) -> None:

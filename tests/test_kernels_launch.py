@@ -1,0 +1,84 @@
+"""FastLaunch's cache: one JIT launch per specialisation, then the compiled handle, on CPU.
+
+Triton's runtime is replaced by a recording double (no GPU here); the GPU tests run the real one
+(tests/test_cuda_kernels.py::test_fast_launch_repeats_and_new_specialisations_stay_correct)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import kernels.launch as launch
+
+
+class _Compiled:
+    function, packed_metadata = "fn", "meta"
+
+    def __init__(self, log: list) -> None:
+        self.log = log
+
+    def run(self, *args: object) -> None:
+        self.log.append(("fast", args))
+
+
+class _Kernel:
+    """Parameters (x_ptr, n, BLOCK: constexpr), like a @triton.jit function's."""
+
+    params = [SimpleNamespace(num=0, is_constexpr=False), SimpleNamespace(num=1, is_constexpr=False),
+              SimpleNamespace(num=2, is_constexpr=True)]  # fmt: skip
+
+    def __init__(self) -> None:
+        self.log: list = []
+
+    def __getitem__(self, grid: tuple) -> object:
+        def jit(*args: object, **options: object) -> _Compiled:
+            self.log.append(("jit", grid, args, options))
+            return _Compiled(self.log)
+
+        return jit
+
+
+@pytest.fixture
+def kernel(monkeypatch: pytest.MonkeyPatch) -> _Kernel:
+    monkeypatch.setattr(launch, "_INTERPRET", False)
+    driver = SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda device: 1234)
+    monkeypatch.setattr(launch.triton.runtime, "driver", SimpleNamespace(active=driver))
+    return _Kernel()
+
+
+def test_same_specialisation_launches_the_compiled_handle(kernel: _Kernel) -> None:
+    fast = launch.FastLaunch(kernel)
+    x = torch.zeros(64)
+    fast((3,), x, 7, 128, num_warps=4)
+    fast((5, 2), x, 9, 128, num_warps=4)  # 7 and 9: same integer class
+    assert [entry[0] for entry in kernel.log] == ["jit", "fast"]
+    assert kernel.log[1][1] == (5, 2, 1, 1234, "fn", "meta", None, None, None, x, 9, 128)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        "misaligned pointer",
+        "integer divisible by 16",
+        "integer one",
+        "constexpr value",
+        "launch option",
+        "dtype",
+    ],
+)
+def test_a_new_specialisation_goes_through_the_jit(kernel: _Kernel, change: str) -> None:
+    fast = launch.FastLaunch(kernel)
+    x = torch.zeros(64)
+    fast((1,), x, 7, 128, num_warps=4)
+    args, options = {
+        "misaligned pointer": ((x[1:], 7, 128), {"num_warps": 4}),
+        "integer divisible by 16": ((x, 32, 128), {"num_warps": 4}),
+        "integer one": ((x, 1, 128), {"num_warps": 4}),
+        "constexpr value": ((x, 7, 256), {"num_warps": 4}),
+        "launch option": ((x, 7, 128), {"num_warps": 8}),
+        "dtype": ((x.half(), 7, 128), {"num_warps": 4}),
+    }[change]
+    fast((1,), *args, **options)
+    assert [entry[0] for entry in kernel.log] == ["jit", "jit"], change
