@@ -9,18 +9,13 @@ q/k/v, z, a and b as column slices of fused projections (row strides wider than 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import traceback
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.interpreter_checks import report, run_interpreted
+
 HK, HV, DK, DV, CONV_K = 2, 4, 32, 32, 4
 CONV_DIM = 2 * HK * DK + HV * DV
 SLOTS = 48
@@ -201,32 +196,9 @@ TOLERANCE = {"y": 1e-2, "state": 1e-3, "state_after_bf16_stages": 1e-2}
 EXACT = 0.0
 
 
-def _run_checks() -> None:
-    for name, fn in CHECKS.items():
-        torch.manual_seed(0)
-        try:
-            result: dict[str, object] = {"name": name, "errors": fn()}
-        except Exception:
-            result = {"name": name, "exception": traceback.format_exc()}
-        print(json.dumps(result), flush=True)
-
-
 @pytest.fixture(scope="module")
 def interpreted_results() -> dict[str, dict[str, object]]:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, __file__], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
-    results = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            record = json.loads(line)
-            results[record["name"]] = record
-    if not results:
-        raise RuntimeError(
-            f"interpreter checks produced no results (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
-        )
-    return results
+    return run_interpreted(__file__, timeout=120)
 
 
 @pytest.mark.parametrize("name", sorted(CHECKS))
@@ -256,7 +228,4 @@ def test_bench_gdn_is_a_bench_kind_and_needs_a_gpu(capsys: pytest.CaptureFixture
 
 
 if __name__ == "__main__":
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        raise SystemExit("run with TRITON_INTERPRET=1 (pytest does this)")
-    sys.path.insert(0, str(ROOT))
-    _run_checks()
+    report(CHECKS)

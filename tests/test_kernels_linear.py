@@ -9,17 +9,15 @@ multiples of any block, and non-contiguous x rows.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
-import traceback
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.interpreter_checks import ROOT, report, run_interpreted
+
 BF16 = torch.bfloat16
 ROWS = (1, 3, 8, 17, 64, 80)
 SHAPES = ((37, 100), (19, 130))  # (N, K) of the plain linear; the fused op gets [2N, K]
@@ -48,34 +46,12 @@ def _case(m: int, n: int, k: int) -> dict[str, float]:
     }
 
 
-def _run_cases() -> None:
-    torch.manual_seed(0)
-    for m in ROWS:
-        for n, k in SHAPES:
-            name = f"m{m}_n{n}_k{k}"
-            try:
-                record: dict[str, object] = {"name": name, "errors": _case(m, n, k)}
-            except Exception:
-                record = {"name": name, "exception": traceback.format_exc()}
-            print(json.dumps(record), flush=True)
+CASES = {f"m{m}_n{n}_k{k}": (lambda m=m, n=n, k=k: _case(m, n, k)) for m in ROWS for n, k in SHAPES}
 
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, dict[str, object]]:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, __file__], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
-    records = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            record = json.loads(line)
-            records[record["name"]] = record
-    if not records:
-        raise RuntimeError(
-            f"interpreter checks produced no results (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
-        )
-    return records
+    return run_interpreted(__file__, timeout=120)
 
 
 @pytest.mark.parametrize("m", ROWS)
@@ -128,7 +104,4 @@ def test_unknown_linear_backend_is_refused() -> None:
 
 
 if __name__ == "__main__":
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        raise SystemExit("run with TRITON_INTERPRET=1 (pytest does this)")
-    sys.path.insert(0, str(ROOT))
-    _run_cases()
+    report(CASES)

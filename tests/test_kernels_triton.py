@@ -8,18 +8,13 @@ pytest case asserts one of them. Small shapes, odd sizes, GQA / GVA ratios > 1, 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import traceback
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.interpreter_checks import report, run_interpreted
+
 BF16 = torch.bfloat16
 
 
@@ -262,32 +257,9 @@ TOLERANCE = {"state": 1e-3, "g": 1e-5, "beta": 1e-5, "h_is_x": 0.5, "y_bf16": 2e
 DEFAULT_TOLERANCE = 1e-2
 
 
-def _run_checks() -> None:
-    torch.manual_seed(0)
-    for name, fn in CHECKS.items():
-        try:
-            result: dict[str, object] = {"name": name, "errors": fn()}
-        except Exception:
-            result = {"name": name, "exception": traceback.format_exc()}
-        print(json.dumps(result), flush=True)
-
-
 @pytest.fixture(scope="module")
 def interpreted_results() -> dict[str, dict[str, object]]:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, __file__], env=env, cwd=ROOT, capture_output=True, text=True, timeout=240
-    )
-    results = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            record = json.loads(line)
-            results[record["name"]] = record
-    if not results:
-        raise RuntimeError(
-            f"interpreter checks produced no results (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
-        )
-    return results
+    return run_interpreted(__file__, timeout=240)
 
 
 @pytest.mark.parametrize("name", sorted(CHECKS))
@@ -305,7 +277,4 @@ def test_triton_kernel_matches_reference(
 
 
 if __name__ == "__main__":
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        raise SystemExit("run with TRITON_INTERPRET=1 (pytest does this)")
-    sys.path.insert(0, str(ROOT))
-    _run_checks()
+    report(CHECKS)
