@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import FastLaunch
+from kernels.launch import FastLaunch, cdiv, next_pow2
 
 
 @triton.jit
@@ -31,8 +31,6 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     y = torch.empty((n, inter), dtype=x.dtype, device=x.device)
     if n == 0:
         return y
-    block = min(triton.next_power_of_2(inter), 2048)
-    _silu_and_mul_launch(
-        (n, triton.cdiv(inter, block)), x, y, inter, x.stride(0), y.stride(0), block, num_warps=4
-    )
+    block = min(next_pow2(inter), 2048)
+    _silu_and_mul_launch((n, cdiv(inter, block)), x, y, inter, x.stride(0), y.stride(0), block, num_warps=4)
     return y

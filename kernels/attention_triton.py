@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import FastLaunch
+from kernels.launch import FastLaunch, cdiv, next_pow2
 
 # The CPU interpreter computes bf16 dot products wrongly; upcast the operands there.
 _DOT_F32 = os.environ.get("TRITON_INTERPRET") == "1"
@@ -159,7 +159,7 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, dim: int) -> None
             f"k_cache {tuple(k_cache.shape)}{k_cache.stride()} and v_cache {tuple(v_cache.shape)}"
             f"{v_cache.stride()} must share one layout with contiguous head_dim"
         )
-    if k_cache.shape[-1] != dim or dim != triton.next_power_of_2(dim):
+    if k_cache.shape[-1] != dim or dim != next_pow2(dim):
         raise ValueError(
             f"head_dim must be a power of two matching the cache, got q {dim}, cache {k_cache.shape[-1]}"
         )
@@ -167,9 +167,9 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, dim: int) -> None
 
 def _decode_splits(batch: int, kv_heads: int, max_len: int) -> int:
     """Enough programs to fill the GPU twice, but at least ~256 positions per split."""
-    want = triton.cdiv(2 * _SMS, max(batch * kv_heads, 1))
-    cap = max(triton.cdiv(max_len, 256), 1)
-    return triton.next_power_of_2(max(min(want, cap), 1))
+    want = cdiv(2 * _SMS, max(batch * kv_heads, 1))
+    cap = max(cdiv(max_len, 256), 1)
+    return next_pow2(max(min(want, cap), 1))
 
 
 def paged_decode_attention_triton(
@@ -211,7 +211,7 @@ def decode_attention_with_splits(
         return out
     block_n = 32
     max_len = page_table.shape[1] * page_size
-    split_size = triton.cdiv(triton.cdiv(max_len, splits), block_n) * block_n
+    split_size = cdiv(cdiv(max_len, splits), block_n) * block_n
     if splits > 1:
         part_o = torch.empty((batch, heads, splits, dim), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((batch, heads, splits), dtype=torch.float32, device=q.device)
@@ -242,7 +242,7 @@ def decode_attention_with_splits(
         split_size,
         scale,
         group,
-        max(16, triton.next_power_of_2(group)),
+        max(16, next_pow2(group)),
         dim,
         page_size,
         block_n,
@@ -368,7 +368,7 @@ def paged_prefill_attention_triton(
     block_m, block_n = 64, 32
     device = q.device
     page_tables = page_tables.to(device)
-    _prefill_kernel[(triton.cdiv(longest, block_m), n_chunks, heads)](
+    _prefill_kernel[(cdiv(longest, block_m), n_chunks, heads)](
         q,
         k_cache,
         v_cache,

@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import cdiv
+
 
 @triton.jit
 def conv_decode_channels(x_row_ptr, w_ptr, state_row_ptr, ch, mask, K: tl.constexpr):
@@ -73,7 +75,7 @@ def causal_conv1d_decode_triton(
     if batch == 0:
         return y
     block = 1024
-    _conv_decode_kernel[(batch, triton.cdiv(channels, block))](
+    _conv_decode_kernel[(batch, cdiv(channels, block))](
         x,
         weight,
         conv_state,
@@ -199,7 +201,7 @@ def causal_conv1d_prefill_triton(
     chunk_of = torch.searchsorted(cu[1:], torch.arange(tokens, device=device, dtype=torch.int32), right=True)
     chunk_of = chunk_of.to(torch.int32)
     block_t, block_c = 16, 256
-    grid = (triton.cdiv(tokens, block_t), triton.cdiv(channels, block_c))
+    grid = (cdiv(tokens, block_t), cdiv(channels, block_c))
     _conv_prefill_kernel[grid](
         x,
         weight,
@@ -219,7 +221,7 @@ def causal_conv1d_prefill_triton(
         BLOCK_C=block_c,
         num_warps=4,
     )
-    _conv_prefill_state_kernel[(n_chunks, triton.cdiv(channels, 1024))](
+    _conv_prefill_state_kernel[(n_chunks, cdiv(channels, 1024))](
         x,
         conv_state,
         slots,

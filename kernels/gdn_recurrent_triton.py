@@ -30,6 +30,7 @@ import triton.language as tl
 from kernels.conv1d_triton import causal_conv1d_decode_triton
 from kernels.gdn_step import gdn_split_sizes
 from kernels.gdn_triton import l2_normalize, softplus_gate
+from kernels.launch import cdiv, next_pow2
 from kernels.norms_triton import gated_rms_norm_triton
 
 log = structlog.get_logger(__name__)
@@ -121,7 +122,7 @@ def _prune_configs(
 ) -> list[triton.Config]:
     """Drops tiles wider than dv (all-masked columns), keeping at least the narrowest."""
     dv = int(kwargs.get("DV", named_args.get("DV", 0)))
-    fitting = [c for c in configs if c.kwargs["BV"] <= triton.next_power_of_2(dv)]
+    fitting = [c for c in configs if c.kwargs["BV"] <= next_pow2(dv)]
     return fitting or [min(configs, key=lambda c: c.kwargs["BV"])]
 
 
@@ -150,7 +151,7 @@ def _interpreting() -> bool:
 
 def tuning_bucket(batch: int) -> int:
     """The autotuning key's batch: the graph bucket (power of two), capped at MAX_TUNING_ROWS."""
-    return min(triton.next_power_of_2(max(batch, 1)), MAX_TUNING_ROWS)
+    return min(next_pow2(max(batch, 1)), MAX_TUNING_ROWS)
 
 
 def check_step_states(conv_state: torch.Tensor, state: torch.Tensor, conv_dim: int, kernel: int) -> None:
@@ -185,7 +186,7 @@ def recurrent_decode(
         return o
     args = [conv_out, a, b, A_log, dt_bias, state, state_slots, o]
     scalars = [conv_out.stride(0), a.stride(0), b.stride(0), state.stride(0), dk**-0.5]
-    shape = dict(HK=key_heads, HV=hv, DK=dk, DV=dv, BK=triton.next_power_of_2(dk))
+    shape = dict(HK=key_heads, HV=hv, DK=dk, DV=dv, BK=next_pow2(dk))
     bucket = tuning_bucket(batch)
     if _interpreting():
         _launch_fixed(args, scalars, bucket, shape, batch, INTERPRET_TILE)
@@ -200,7 +201,7 @@ def recurrent_decode(
         _tune_on_scratch(key, args, scalars, bucket, shape)
 
     def grid(meta: dict[str, int]) -> tuple[int, int, int]:
-        return (triton.cdiv(dv, meta["BV"]), hv, batch)
+        return (cdiv(dv, meta["BV"]), hv, batch)
 
     _tuned_kernel[grid](*args, *scalars, bucket, **shape)
     return o
@@ -230,8 +231,8 @@ def _launch_fixed(
     batch: int,
     tile: tuple[int, int],
 ) -> None:
-    bv = min(tile[0], triton.next_power_of_2(shape["DV"]))
-    grid = (triton.cdiv(shape["DV"], bv), shape["HV"], batch)
+    bv = min(tile[0], next_pow2(shape["DV"]))
+    grid = (cdiv(shape["DV"], bv), shape["HV"], batch)
     # The launch options exactly as the autotuner passes them, so a tuned tile's binary is reused.
     options = triton.Config({"BV": bv}, num_warps=tile[1]).all_kwargs()
     _recurrent_kernel[grid](*args, *scalars, bucket, **shape, **options)
@@ -260,7 +261,7 @@ def _tune_on_scratch(
     ]
 
     def grid(meta: dict[str, int]) -> tuple[int, int, int]:
-        return (triton.cdiv(shape["DV"], meta["BV"]), shape["HV"], bucket)
+        return (cdiv(shape["DV"], meta["BV"]), shape["HV"], bucket)
 
     _tuned_kernel[grid](
         *scratch, scratch_state, slots, scratch_o, *scratch_scalars, scalars[-1], bucket, **shape

@@ -20,7 +20,7 @@ from kernels.conv1d_triton import conv_decode_channels
 from kernels.gdn_recurrent_triton import check_step_states, gdn_decode_step_split
 from kernels.gdn_step import gdn_split_sizes
 from kernels.gdn_triton import delta_rule_update, l2_normalize, softplus_gate
-from kernels.launch import FastLaunch
+from kernels.launch import FastLaunch, next_pow2
 
 # Batch rows from which the split path runs (a graph bucket boundary).
 SPLIT_MIN_BATCH = 16
@@ -169,8 +169,8 @@ def gdn_decode_step_fused(
         dk,
         dv,
         kernel,
-        triton.next_power_of_2(dk),
-        triton.next_power_of_2(dv),
+        next_pow2(dk),
+        next_pow2(dv),
         num_warps=8,
     )
     return y

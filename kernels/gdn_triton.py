@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import cdiv, next_pow2
+
 
 @triton.jit
 def softplus_gate(a, dt_bias, a_log):
@@ -71,7 +73,7 @@ def gdn_gating_triton(
     if n == 0:
         return g, beta
     block = 1024
-    _gating_kernel[(triton.cdiv(n * hv, block),)](
+    _gating_kernel[(cdiv(n * hv, block),)](
         a, b, A_log, dt_bias, g, beta, n, hv, a.stride(0), b.stride(0), BLOCK=block, num_warps=4
     )
     return g, beta
@@ -152,8 +154,8 @@ def gated_delta_rule_decode_triton(
     o = torch.empty((batch, hv, dv), dtype=v.dtype, device=v.device)
     if batch == 0:
         return o
-    bv = min(triton.next_power_of_2(dv), 32)
-    _delta_rule_decode_kernel[(batch, hv, triton.cdiv(dv, bv))](
+    bv = min(next_pow2(dv), 32)
+    _delta_rule_decode_kernel[(batch, hv, cdiv(dv, bv))](
         q,
         k,
         v,
@@ -176,7 +178,7 @@ def gated_delta_rule_decode_triton(
         dv,
         dk**-0.5,
         RATIO=hv // hk,
-        BK=triton.next_power_of_2(dk),
+        BK=next_pow2(dk),
         BV=bv,
         num_warps=4,
     )
@@ -267,8 +269,8 @@ def gated_delta_rule_prefill_recurrent_triton(
     n_chunks = cu.shape[0] - 1
     if n_chunks == 0:
         return o
-    bv = min(triton.next_power_of_2(dv), 32)
-    _delta_rule_prefill_kernel[(n_chunks, hv, triton.cdiv(dv, bv))](
+    bv = min(next_pow2(dv), 32)
+    _delta_rule_prefill_kernel[(n_chunks, hv, cdiv(dv, bv))](
         q,
         k,
         v,
@@ -293,7 +295,7 @@ def gated_delta_rule_prefill_recurrent_triton(
         dv,
         dk**-0.5,
         RATIO=hv // hk,
-        BK=triton.next_power_of_2(dk),
+        BK=next_pow2(dk),
         BV=bv,
         num_warps=4,
     )

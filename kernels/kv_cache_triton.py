@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import next_pow2
+
 
 @triton.jit
 def _write_kv_kernel(
@@ -59,6 +61,6 @@ def write_kv_triton(
         k_cache.stride(1),
         k_cache.stride(2),
         dim,
-        BLOCK_D=triton.next_power_of_2(dim),
+        BLOCK_D=next_pow2(dim),
         num_warps=2,
     )

@@ -2,8 +2,8 @@
 
 Batch-1 eager decode is host-bound: the GPU finishes each kernel before Python has launched the
 next. ``kernel[grid](...)`` goes through Triton's JIT dispatch every time (argument binding,
-specialisation key, cache lookup, launch-metadata hooks): about 27 µs a launch on the H200 hosts,
-against about 15 µs through the compiled handle. ``FastLaunch`` takes the JIT path once per
+specialisation key, cache lookup, launch-metadata hooks): about 22-27 µs a launch on the H200 hosts,
+against about 14 µs through the compiled handle. ``FastLaunch`` takes the JIT path once per
 specialisation and afterwards calls the compiled kernel's launcher directly.
 
 The cache key mirrors what Triton specialises on: each tensor's dtype and 16-byte alignment,
@@ -22,20 +22,26 @@ import triton
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _INT32 = 1 << 31
-
-
-def _exact(arg: Any) -> Any:
-    return arg
+_Tensor = torch.Tensor
 
 
 def _spec(arg: Any) -> Any:
-    if isinstance(arg, torch.Tensor):
-        return arg.dtype, arg.data_ptr() % 16 == 0
-    if isinstance(arg, bool) or arg is None:
-        return arg
-    if isinstance(arg, int):
-        return arg == 1, arg % 16 == 0, -_INT32 <= arg < _INT32
-    return type(arg)
+    """What Triton specialises a runtime argument on (the key is built on every launch: keep it lean)."""
+    cls = arg.__class__
+    if cls is _Tensor or isinstance(arg, _Tensor):
+        return arg.dtype, not arg.data_ptr() & 15
+    if cls is int:
+        return arg if arg == 1 else (not arg & 15, -_INT32 <= arg < _INT32)
+    return cls if cls is float else arg
+
+
+def next_pow2(n: int) -> int:
+    """``triton.next_power_of_2`` without its wrapper's call overhead (~5 µs, on every launch)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 class FastLaunch:
@@ -44,16 +50,26 @@ class FastLaunch:
 
     def __init__(self, kernel: Any) -> None:
         self.kernel = kernel
-        constexpr = {p.num for p in getattr(kernel, "params", ()) if p.is_constexpr}
-        count = len(getattr(kernel, "params", ()))
-        self._spec_of = [_exact if i in constexpr else _spec for i in range(count)]
+        params = getattr(kernel, "params", ())
+        self._constexpr = frozenset(p.num for p in params if p.is_constexpr)
+        # Kernels declare their constexprs last; then the key splits the arguments instead of
+        # testing every position.
+        first = min(self._constexpr, default=len(params))
+        self._runtime_count = first if self._constexpr == set(range(first, len(params))) else None
         self._compiled: dict[tuple, Any] = {}
+
+    def _key(self, args: tuple, options: dict[str, Any]) -> tuple:
+        count = self._runtime_count
+        if count is not None:
+            return (*map(_spec, args[:count]), *args[count:], *options.values())
+        constexpr = self._constexpr
+        return (*[a if i in constexpr else _spec(a) for i, a in enumerate(args)], *options.values())
 
     def __call__(self, grid: tuple[int, ...], *args: Any, **options: Any) -> None:
         if _INTERPRET:
             self.kernel[grid](*args, **options)
             return
-        key = (*[spec(a) for spec, a in zip(self._spec_of, args, strict=True)], *options.values())
+        key = self._key(args, options)
         compiled = self._compiled.get(key)
         if compiled is None:
             # The JIT path compiles (or finds) this specialisation and launches it.

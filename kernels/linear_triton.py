@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 import triton.testing
 
-from kernels.launch import FastLaunch
+from kernels.launch import FastLaunch, cdiv, next_pow2
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _DOT_MIN_M = 16  # tl.dot needs every block dimension >= 16
@@ -239,16 +239,16 @@ def _launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, n_out: int, silu_
         _run(
             "gemv",
             ("gemv", n_out, k, 1, silu_mul, x.dtype),
-            lambda meta: (triton.cdiv(n_out, meta["BLOCK_N"]),),
+            lambda meta: (cdiv(n_out, meta["BLOCK_N"]),),
             (x, w, y, n_out, k, n_out, w.stride(0)),
             {"SILU_MUL": silu_mul},
         )
     else:
-        block_m = min(max(triton.next_power_of_2(m), _DOT_MIN_M), _DOT_MAX_BLOCK_M)
+        block_m = min(max(next_pow2(m), _DOT_MIN_M), _DOT_MAX_BLOCK_M)
         _run(
             "gemm",
             ("gemm", n_out, k, block_m, silu_mul, x.dtype),
-            lambda meta: (triton.cdiv(n_out, meta["BLOCK_N"]), triton.cdiv(m, block_m)),
+            lambda meta: (cdiv(n_out, meta["BLOCK_N"]), cdiv(m, block_m)),
             (x, w, y, m, n_out, k, n_out, x.stride(0), w.stride(0), y.stride(0)),
             {"BLOCK_M": block_m, "SILU_MUL": silu_mul, "DOT_F32": _INTERPRET},
         )

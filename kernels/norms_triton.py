@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import FastLaunch
+from kernels.launch import FastLaunch, cdiv, next_pow2
 
 
 @triton.jit
@@ -62,7 +62,7 @@ def rms_norm_triton(
         h = torch.empty_like(x)
     if n == 0:
         return y, h
-    block = triton.next_power_of_2(hidden)
+    block = next_pow2(hidden)
     _rms_norm_launch(
         (n,),
         x,
@@ -132,7 +132,7 @@ def gated_rms_norm_triton(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor
         return y
     rows = 16
     _gated_rms_norm_launch(
-        (triton.cdiv(n_rows, rows),),
+        (cdiv(n_rows, rows),),
         x,
         z,
         weight,
@@ -146,7 +146,7 @@ def gated_rms_norm_triton(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor
         z.stride(1),
         eps,
         rows,
-        triton.next_power_of_2(dv),
+        next_pow2(dv),
         num_warps=4,
     )
     return y

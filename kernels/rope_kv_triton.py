@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import FastLaunch
+from kernels.launch import FastLaunch, next_pow2
 
 
 @triton.jit
@@ -102,7 +102,7 @@ def norm_rope_write_kv_triton(
 ) -> torch.Tensor:
     tokens, heads, dim = q.shape
     kv_heads = k.shape[1]
-    if dim != triton.next_power_of_2(dim):
+    if dim != next_pow2(dim):
         raise ValueError(f"norm_rope_write_kv needs a power-of-two head_dim, got {dim}")
     if not k_cache.is_contiguous() or k_cache.stride() != v_cache.stride():
         raise ValueError(

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import next_pow2
+
 
 @triton.jit
 def rotate_head(src_ptr, dst_ptr, cs_ptr, D, ROT: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -73,7 +75,7 @@ def apply_rope_triton(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.T
         cos_sin.stride(0),
         dim,
         ROT=cos_sin.shape[1],
-        BLOCK_D=triton.next_power_of_2(dim),
+        BLOCK_D=next_pow2(dim),
         num_warps=2,
     )
     return y

@@ -82,3 +82,22 @@ def test_a_new_specialisation_goes_through_the_jit(kernel: _Kernel, change: str)
     }[change]
     fast((1,), *args, **options)
     assert [entry[0] for entry in kernel.log] == ["jit", "jit"], change
+
+
+def test_a_constexpr_before_runtime_parameters_is_keyed_by_value(kernel: _Kernel) -> None:
+    """(BLOCK: constexpr, x_ptr, n): the key tests each position instead of splitting the tail."""
+    kernel.params = [SimpleNamespace(num=0, is_constexpr=True), SimpleNamespace(num=1, is_constexpr=False),
+                     SimpleNamespace(num=2, is_constexpr=False)]  # fmt: skip
+    fast = launch.FastLaunch(kernel)
+    x = torch.zeros(64)
+    fast((1,), 128, x, 7)
+    fast((1,), 128, x, 9)
+    fast((1,), 256, x, 7)
+    assert [entry[0] for entry in kernel.log] == ["jit", "fast", "jit"]
+
+
+def test_next_pow2_and_cdiv_match_triton() -> None:
+    import triton
+
+    assert [launch.next_pow2(n) for n in range(1, 300)] == [triton.next_power_of_2(n) for n in range(1, 300)]
+    assert [launch.cdiv(a, 7) for a in range(0, 50)] == [triton.cdiv(a, 7) for a in range(0, 50)]
