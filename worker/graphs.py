@@ -142,16 +142,18 @@ class DecodeGraphRunner:
         if blocker is not None:
             _log_gate_once(blocker, rank)
 
-        self._tokens = torch.zeros(top, dtype=torch.int64, device=device)
-        self._positions = torch.zeros(top, dtype=torch.int64, device=device)
-        self._slots = torch.arange(top, dtype=torch.int64, device=device)
+        # Tokens, positions and state slots are the rows of one [3, top] buffer, and the page table
+        # has a pinned host twin, so staging a step is two host-to-device copies.
+        self._rows = torch.zeros((3, top), dtype=torch.int64, device=device)
+        self._tokens, self._positions, self._slots = self._rows.unbind(0)
+        self._slots.copy_(torch.arange(top))
         self._page_table = torch.full(
             (top, geometry.max_pages), geometry.padding_page, dtype=torch.int32, device=device
         )
         pin = device.type == "cuda"
-        self._host_tokens = torch.zeros(top, dtype=torch.int64, pin_memory=pin)
-        self._host_positions = torch.zeros(top, dtype=torch.int64, pin_memory=pin)
-        self._host_slots = torch.zeros(top, dtype=torch.int64, pin_memory=pin)
+        self._host_rows = torch.zeros((3, top), dtype=torch.int64, pin_memory=pin)
+        # Contiguous [bucket, width] staging for the page-table columns a step uses.
+        self._host_table = torch.zeros(top * geometry.max_pages, dtype=torch.int32, pin_memory=pin)
 
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
@@ -324,20 +326,23 @@ class DecodeGraphRunner:
                 f"decode row page table has {width} pages, more than the graph page-table width "
                 f"{self.geometry.max_pages}"
             )
-        self._host_tokens[:n].copy_(batch.tokens)
-        self._host_tokens[n:bucket].zero_()
-        self._host_positions[:n].copy_(batch.positions)
-        self._host_positions[n:bucket].zero_()
-        self._host_slots[:n].copy_(batch.state_slots)
+        host_tokens, host_positions, host_slots = self._host_rows.unbind(0)
+        host_tokens[:n].copy_(batch.tokens)
+        host_tokens[n:bucket].zero_()
+        host_positions[:n].copy_(batch.positions)
+        host_positions[n:bucket].zero_()
+        host_slots[:n].copy_(batch.state_slots)
         if pad:
-            self._host_slots[n:bucket].copy_(torch.tensor(pad, dtype=torch.int64))
-        self._tokens[:bucket].copy_(self._host_tokens[:bucket], non_blocking=True)
-        self._positions[:bucket].copy_(self._host_positions[:bucket], non_blocking=True)
-        self._slots[:bucket].copy_(self._host_slots[:bucket], non_blocking=True)
+            host_slots[n:bucket].copy_(torch.tensor(pad, dtype=torch.int64))
+        # All three rows in one contiguous copy (6 KB at most; columns past the bucket are unused).
+        self._rows.copy_(self._host_rows, non_blocking=True)
         # Columns past a row's own pages keep older (valid) page ids: a kernel reads only up
-        # to the row's position. Padding rows sit at position 0, so only column 0 matters.
-        self._page_table[:n, :width].copy_(batch.page_table, non_blocking=True)
-        self._page_table[n:bucket, 0].fill_(self.geometry.padding_page)
+        # to the row's position. Padding rows sit at position 0 and read the padding page.
+        columns = max(width, 1)
+        table = self._host_table[: bucket * columns].view(bucket, columns)
+        table[:n, :width].copy_(batch.page_table)
+        table[n:].fill_(self.geometry.padding_page)
+        self._page_table[:bucket, :columns].copy_(table, non_blocking=True)
         if self.device.type == "cuda":
             self._staged = torch.cuda.Event()
             self._staged.record()
