@@ -15,6 +15,12 @@ Batch-1 decode is bound by reading the weights once, so the kernels are built fo
 - ``*_silu_and_mul``: the MLP's gate_up weight ``[2I, K]``; each program reads gate rows ``j`` and
   the matching up rows ``j + I`` and writes ``silu(gate) * up``: one launch, no ``[M, 2I]`` round trip.
 
+Triton or cuBLAS, per shape: right after a tuning key is tuned (eagerly), its tuned kernel races
+cuBLAS on the same inputs, and from then on the key answers from the faster one (logged once as
+"decode linear backend"; ``PHALANX_LINEAR=triton`` skips the race). On the H200 the GEMV beat
+cuBLAS at M = 1 (the batch-1 graph step went from 3.65 to 3.21 ms), while the step at batch 64
+got ~0.4 ms slower than with cuBLAS, which the race is there to catch.
+
 Split-K is left out on purpose: combining partial sums costs a zeroed fp32 buffer (memset) plus a
 convert launch, more than it saves inside a CUDA graph where each launch is ~1-2 µs.
 
@@ -37,12 +43,16 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+import structlog
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 import triton.testing
 
 from kernels.launch import FastLaunch, cdiv, next_pow2
+
+log = structlog.get_logger(__name__)
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _DOT_MIN_M = 16  # tl.dot needs every block dimension >= 16
@@ -169,6 +179,8 @@ _skinny_gemm = _autotuned(_skinny_gemm_kernel, _GEMM_CONFIGS, key=["N", "K", "BL
 _KEY_FIELDS = ("N", "K", "BLOCK_M", "fused", "dtype")  # of a tuning key, after the kernel's name
 # The autotuner's pick per tuning key, once it has tuned (or loaded) it outside graph capture.
 _best_configs: dict[tuple[object, ...], triton.Config] = {}
+# Per tuning key, whether cuBLAS measured faster than the tuned Triton kernel (decided eagerly).
+_cublas_faster: dict[tuple[object, ...], bool] = {}
 # Per tuning key, everything a launch needs besides the tensors (built once, after tuning).
 _prepared: dict[tuple[object, ...], tuple[FastLaunch, dict[str, Any], list[Any], dict[str, int]]] = {}
 _KERNELS = {"gemv": (_gemv, _gemv_kernel), "gemm": (_skinny_gemm, _skinny_gemm_kernel)}
@@ -229,30 +241,76 @@ def _check(x: torch.Tensor, w: torch.Tensor, op: str) -> None:
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, n_out: int, silu_mul: bool) -> torch.Tensor:
-    """y[:, :n_out] = x @ w.T (or the fused silu(gate) * up over rows j and j + n_out)."""
+    """y[:, :n_out] = x @ w.T (or the fused silu(gate) * up over rows j and j + n_out); for a
+    tuning key where cuBLAS measured faster, cuBLAS's result instead (y unused)."""
     m, k = x.shape
     if m == 0 or n_out == 0:
         return y
     if x.stride(1) != 1:
         x = x.contiguous()
     if m == 1:
-        _run(
+        key = ("gemv", n_out, k, 1, silu_mul, x.dtype)
+        if _cublas_faster.get(key):
+            return _cublas(x, w, silu_mul)
+        run = functools.partial(
+            _run,
             "gemv",
-            ("gemv", n_out, k, 1, silu_mul, x.dtype),
+            key,
             lambda meta: (cdiv(n_out, meta["BLOCK_N"]),),
             (x, w, y, n_out, k, n_out, w.stride(0)),
             {"SILU_MUL": silu_mul},
         )
     else:
         block_m = min(max(next_pow2(m), _DOT_MIN_M), _DOT_MAX_BLOCK_M)
-        _run(
+        key = ("gemm", n_out, k, block_m, silu_mul, x.dtype)
+        if _cublas_faster.get(key):
+            return _cublas(x, w, silu_mul)
+        run = functools.partial(
+            _run,
             "gemm",
-            ("gemm", n_out, k, block_m, silu_mul, x.dtype),
+            key,
             lambda meta: (cdiv(n_out, meta["BLOCK_N"]), cdiv(m, block_m)),
             (x, w, y, m, n_out, k, n_out, x.stride(0), w.stride(0), y.stride(0)),
             {"BLOCK_M": block_m, "SILU_MUL": silu_mul, "DOT_F32": _INTERPRET},
         )
+    run()
+    if key not in _cublas_faster and not _INTERPRET and not torch.cuda.is_current_stream_capturing():
+        _cublas_faster[key] = _measure_against_cublas(key, run, lambda: _cublas(x, w, silu_mul))
+        if _cublas_faster[key]:  # from its first call on, a key answers from one backend only
+            return _cublas(x, w, silu_mul)
     return y
+
+
+def _cublas(x: torch.Tensor, w: torch.Tensor, silu_mul: bool) -> torch.Tensor:
+    """The same op through cuBLAS (and, fused, the SiLU-and-mul kernel after it)."""
+    out = F.linear(x, w)
+    if not silu_mul:
+        return out
+    from kernels.activation_triton import silu_and_mul_triton
+
+    return silu_and_mul_triton(out)
+
+
+def _measure_against_cublas(
+    key: tuple[object, ...], triton_run: Callable[[], None], cublas_run: Callable[[], object]
+) -> bool:
+    """Whether cuBLAS beats the tuned Triton kernel on this key (measured once, eagerly, right after
+    tuning, so graph capture only reads the answer). ``PHALANX_LINEAR=triton`` skips the race."""
+    if os.environ.get("PHALANX_LINEAR", "auto").strip().lower() == "triton":
+        return False
+    triton_ms = _quick_bench(triton_run, None)
+    cublas_ms = _quick_bench(cublas_run, None)
+    faster = cublas_ms < triton_ms
+    shape = dict(zip(_KEY_FIELDS, key[1:], strict=True))
+    log.info(
+        "decode linear backend",
+        kernel=key[0],
+        **{name: str(value) for name, value in shape.items()},
+        triton_us=round(triton_ms * 1e3, 1),
+        cublas_us=round(cublas_ms * 1e3, 1),
+        picked="cublas" if faster else "triton",
+    )
+    return faster
 
 
 def linear_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

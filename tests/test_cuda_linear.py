@@ -18,6 +18,7 @@ pytestmark = pytest.mark.cuda
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
+from kernels import linear_triton as linear_triton_module  # noqa: E402
 from kernels import ops  # noqa: E402
 from kernels.linear_triton import linear_silu_and_mul_triton, linear_triton  # noqa: E402
 from tools.bench_linear import LinearShape, linear_shapes  # noqa: E402
@@ -27,6 +28,14 @@ BF16 = torch.bfloat16
 TOL = 1e-2
 SHAPES = linear_shapes("4b", 1)
 ROWS = (1, 3, 16, 64)
+
+
+@pytest.fixture(autouse=True)
+def _triton_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests check the Triton kernels, so no key may be handed to cuBLAS by the race
+    (tested on its own below, with the race on)."""
+    monkeypatch.setenv("PHALANX_LINEAR", "triton")
+    monkeypatch.setattr(linear_triton_module, "_cublas_faster", {})
 
 
 def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -104,3 +113,18 @@ def test_untuned_shape_inside_capture_is_refused() -> None:
         torch.cuda.graph(graph),
     ):
         linear_triton(x, w)
+
+
+def test_cublas_race_decides_each_key_once_and_both_answers_are_right(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("PHALANX_LINEAR", "auto")
+    w = torch.randn(2560, 9216, device=DEV).to(BF16) * 9216**-0.5
+    for m in (1, 64):
+        x = torch.randn(m, 9216, device=DEV).to(BF16)
+        ref = F.linear(x.float(), w.float())
+        first = linear_triton(x, w)  # tunes, then races the tuned kernel against cuBLAS
+        block_m = 1 if m == 1 else 64
+        key = ("gemv" if m == 1 else "gemm", 2560, 9216, block_m, False, BF16)
+        assert key in linear_triton_module._cublas_faster, f"M={m}: no backend decision recorded"
+        assert rel(first, ref) <= TOL and rel(linear_triton(x, w), ref) <= TOL

@@ -105,3 +105,23 @@ def test_unknown_linear_backend_is_refused() -> None:
 
 if __name__ == "__main__":
     report(CASES)
+
+
+def test_a_key_where_cublas_measured_faster_takes_cublas(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The race between the tuned Triton kernel and cuBLAS (timings faked: it runs on a GPU) and
+    the dispatch that follows its answer."""
+    from kernels import linear_triton
+
+    timings = iter([2.0, 1.0])  # Triton, then cuBLAS: cuBLAS is faster
+    monkeypatch.setattr(linear_triton, "_quick_bench", lambda fn, quantiles: next(timings))
+    key = ("gemm", 10, 16, 16, False, torch.float32)
+    assert linear_triton._measure_against_cublas(key, lambda: None, lambda: None) is True
+    monkeypatch.setenv("PHALANX_LINEAR", "triton")
+    assert linear_triton._measure_against_cublas(key, lambda: None, lambda: None) is False
+
+    monkeypatch.setitem(linear_triton._cublas_faster, key, True)
+    x, w = torch.randn(3, 16), torch.randn(10, 16)
+    unused = torch.full((3, 10), float("nan"))
+    assert torch.equal(
+        linear_triton._launch(x, w, unused, 10, silu_mul=False), torch.nn.functional.linear(x, w)
+    )
