@@ -12,6 +12,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "load": ("tools.bench_load", "peak memory of one rank loading its shard"),
     "linear": ("tools.bench_linear", "decode linears: Triton skinny GEMV/GEMM vs cuBLAS, in CUDA graphs"),
     "gdn": ("tools.bench_gdn", "GDN decode step per layer: fused kernel vs split path, in CUDA graphs"),
+    "host": ("tools.bench_host", "host (Python) time of one eager decode step, per op"),
 }
 
 
