@@ -55,7 +55,6 @@ def _decode_kernel(
     stride_gb,
     stride_gh,
     H,
-    split_size,
     scale,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
@@ -70,6 +69,9 @@ def _decode_kernel(
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
     seq_len = tl.load(lens_ptr + b)
+    # Each row cuts its own keys: the cut depends on the row's length and SPLITS only, never on
+    # the batch size or the page-table width, so eager and graph decode agree bit for bit.
+    split_size = tl.cdiv(tl.cdiv(seq_len, SPLITS), BLOCK_N) * BLOCK_N
     start = sp * split_size
     end = tl.minimum(start + split_size, seq_len)
     g = tl.arange(0, GROUP_PAD)
@@ -165,11 +167,14 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, dim: int) -> None
         )
 
 
-def _decode_splits(batch: int, kv_heads: int, max_len: int) -> int:
-    """Enough programs to fill the GPU twice, but at least ~256 positions per split."""
-    want = cdiv(2 * _SMS, max(batch * kv_heads, 1))
-    cap = max(cdiv(max_len, 256), 1)
-    return next_pow2(max(min(want, cap), 1))
+_MAX_SPLITS = 64
+
+
+def _decode_splits(batch: int, kv_heads: int) -> int:
+    """Enough programs to fill the GPU twice. Taken from the batch's bucket (its next power of two,
+    as the graph buckets are), so a batch run eagerly and its bucket's graph split alike."""
+    want = cdiv(2 * _SMS, next_pow2(batch) * max(kv_heads, 1))
+    return next_pow2(min(max(want, 1), _MAX_SPLITS))
 
 
 def paged_decode_attention_triton(
@@ -182,8 +187,7 @@ def paged_decode_attention_triton(
     gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     _check_cache(k_cache, v_cache, q.shape[-1])
-    page_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    splits = _decode_splits(q.shape[0], kv_heads, page_table.shape[1] * page_size)
+    splits = _decode_splits(q.shape[0], k_cache.shape[2])
     return decode_attention_with_splits(q, k_cache, v_cache, page_table, seq_lens, scale, splits, gate)
 
 
@@ -210,8 +214,6 @@ def decode_attention_with_splits(
     if batch == 0:
         return out
     block_n = 32
-    max_len = page_table.shape[1] * page_size
-    split_size = cdiv(cdiv(max_len, splits), block_n) * block_n
     if splits > 1:
         part_o = torch.empty((batch, heads, splits, dim), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((batch, heads, splits), dtype=torch.float32, device=q.device)
@@ -239,7 +241,6 @@ def decode_attention_with_splits(
         gate_arg.stride(0),
         gate_arg.stride(1),
         heads,
-        split_size,
         scale,
         group,
         max(16, next_pow2(group)),
