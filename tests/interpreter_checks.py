@@ -50,3 +50,21 @@ def run_interpreted(module_file: str, timeout: float) -> dict[str, dict[str, obj
             f"interpreter checks produced no results (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
         )
     return records
+
+
+def assert_within(
+    records: dict[str, dict[str, object]],
+    name: str,
+    tolerance: dict[str, float],
+    default: float,
+    measure: str = "relative error",
+) -> None:
+    """Parent side: check ``name`` reported, raised nothing, and kept each error within its limit."""
+    record = records.get(name)
+    assert record is not None, f"check {name} did not report"
+    assert "exception" not in record, record.get("exception")
+    errors = record["errors"]
+    assert isinstance(errors, dict)
+    for key, err in errors.items():
+        limit = tolerance.get(key, default)
+        assert err <= limit, f"{name}.{key}: {measure} {err:.3g} > {limit}"

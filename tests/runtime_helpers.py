@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -13,6 +14,15 @@ from protocol.packing import pack_ids
 PAGE = 4
 PAGES_PER_REQUEST = 4  # 16 positions per request
 LOGPROBS = SamplingParams(logprobs=3)
+
+
+def alive(pid: int) -> bool:
+    """Whether a process with this pid still exists."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def small_config(model_dir: Path, tp: int, **overrides) -> ExecutorConfig:

@@ -15,6 +15,8 @@ pytestmark = pytest.mark.cuda
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
+from tests.gpu_checks import rand, rel  # noqa: E402
+
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16
 OUT_TOL = 1e-2
@@ -22,16 +24,6 @@ STATE_TOL = 1e-3
 CONV_K = 4
 GEOMETRY_4B = (16, 32, 128, 128)  # Hk, Hv, dk, dv at TP 1
 GEOMETRY_4B_TP8 = (2, 4, 128, 128)
-
-
-def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    assert torch.isfinite(out).all(), "non-finite output"
-    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
-
-
-def rand(*shape: int, dtype: torch.dtype = BF16, scale: float = 1.0) -> torch.Tensor:
-    return (torch.randn(*shape, device=DEV) * scale).to(dtype)
 
 
 @pytest.fixture(autouse=True)

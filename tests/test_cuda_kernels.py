@@ -12,6 +12,8 @@ pytestmark = pytest.mark.cuda
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
+from tests.gpu_checks import rand, rel  # noqa: E402
+
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16
 OUT_TOL = 1e-2
@@ -21,16 +23,6 @@ HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM = 2560, 9216, 16, 4, 256
 HK, HV, DK, DV, CONV_K = 16, 32, 128, 128, 4
 CONV_DIM = 2 * HK * DK + HV * DV
 PAGE = 64
-
-
-def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    assert torch.isfinite(out).all(), "non-finite output"
-    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
-
-
-def rand(*shape: int, dtype: torch.dtype = BF16, scale: float = 1.0) -> torch.Tensor:
-    return (torch.randn(*shape, device=DEV) * scale).to(dtype)
 
 
 @pytest.fixture(autouse=True)

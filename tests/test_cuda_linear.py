@@ -21,6 +21,7 @@ if not torch.cuda.is_available():
 from kernels import linear_triton as linear_triton_module  # noqa: E402
 from kernels import ops  # noqa: E402
 from kernels.linear_triton import linear_silu_and_mul_triton, linear_triton  # noqa: E402
+from tests.gpu_checks import rel  # noqa: E402
 from tools.bench_linear import LinearShape, linear_shapes  # noqa: E402
 
 DEV = torch.device("cuda")
@@ -36,12 +37,6 @@ def _triton_only(monkeypatch: pytest.MonkeyPatch) -> None:
     (tested on its own below, with the race on)."""
     monkeypatch.setenv("PHALANX_LINEAR", "triton")
     monkeypatch.setattr(linear_triton_module, "_cublas_faster", {})
-
-
-def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    assert torch.isfinite(out).all(), "non-finite output"
-    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
 def _weights(shape: LinearShape) -> torch.Tensor:

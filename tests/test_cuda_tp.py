@@ -322,14 +322,6 @@ def test_tp2_256_greedy_tokens_identical_eager_and_graph(tiny_model_dir: Path) -
     )
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def test_rank_sigkilled_mid_decode_under_nccl_stops_every_rank(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -337,7 +329,7 @@ def test_rank_sigkilled_mid_decode_under_nccl_stops_every_rank(
     for it in an NCCL collective: the executor names the dead rank and no rank is left behind."""
     from executor.errors import ExecutorPoisoned
     from executor.launcher import launch_executor
-    from tests.runtime_helpers import chunk, row, small_config
+    from tests.runtime_helpers import alive, chunk, row, small_config
     from worker import faults
 
     monkeypatch.setenv(faults.ENV, "1:decode#2:kill")
@@ -363,10 +355,10 @@ def test_rank_sigkilled_mid_decode_under_nccl_stops_every_rank(
         ):
             ex.decode([row(1, 0, 0, second.token, 4)])
         detected_s = time.monotonic() - started
-        while any(_alive(pid) for pid in pids) and time.monotonic() - started < STEP_TIMEOUT_S:
+        while any(alive(pid) for pid in pids) and time.monotonic() - started < STEP_TIMEOUT_S:
             multiprocessing.active_children()  # reaps a rank whose CUDA teardown outlasted the kill's join
             time.sleep(0.1)
-        left = [pid for pid in pids if _alive(pid)]
+        left = [pid for pid in pids if alive(pid)]
         assert not left, (
             f"rank processes {left} still alive {STEP_TIMEOUT_S:g} s after the kill (hung in NCCL?)"
         )

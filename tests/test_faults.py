@@ -11,7 +11,6 @@ test's first prefill is command 2.
 from __future__ import annotations
 
 import multiprocessing
-import os
 import signal
 import tempfile
 import time
@@ -29,19 +28,12 @@ from executor.runtime import Executor
 from protocol import DecodeRow, Expectation, PrefillChunk, SlotMove, pack_ids
 from protocol.trace import Direction, read_trace
 from server.app import create_app
+from tests.runtime_helpers import alive
 from worker import faults
 
 LIMITS = {"kv_pages": 8, "page_size": 16, "max_slots": 4, "max_batch_tokens": 64}
 PROMPT = [1, 2, 3]
 DEAD_RANK_DETECTION_S = 2.0
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 @contextmanager
@@ -59,7 +51,7 @@ def faulty_executor(
         yield ex
     finally:
         ex.shutdown()
-    assert [pid for pid in pids if _alive(pid)] == []
+    assert [pid for pid in pids if alive(pid)] == []
     assert not ipc_dir.exists()
 
 
@@ -129,7 +121,7 @@ def test_sigkill_mid_decode_fails_every_open_request_once_and_health_turns_503(
     last_send = [e for e in read_trace(trace_path).entries if e.direction is Direction.SEND][-1]
     assert last_send.op == "decode"
     assert (failed_at - last_send.time_ns) / 1e9 <= DEAD_RANK_DETECTION_S
-    assert [pid for pid in pids if _alive(pid)] == []
+    assert [pid for pid in pids if alive(pid)] == []
     assert not ipc_dir.exists()
 
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from tests.interpreter_checks import report, run_interpreted
+from tests.interpreter_checks import assert_within, report, run_interpreted
 
 HK, HV, DK, DV, CONV_K = 2, 4, 32, 32, 4
 CONV_DIM = 2 * HK * DK + HV * DV
@@ -203,14 +203,7 @@ def interpreted_results() -> dict[str, dict[str, object]]:
 
 @pytest.mark.parametrize("name", sorted(CHECKS))
 def test_split_step_matches_reference(name: str, interpreted_results: dict[str, dict[str, object]]) -> None:
-    record = interpreted_results.get(name)
-    assert record is not None, f"check {name} did not report"
-    assert "exception" not in record, record.get("exception")
-    errors = record["errors"]
-    assert isinstance(errors, dict)
-    for key, err in errors.items():
-        limit = TOLERANCE.get(key, EXACT)
-        assert err <= limit, f"{name}.{key}: error {err:.3g} > {limit}"
+    assert_within(interpreted_results, name, TOLERANCE, EXACT, measure="error")
 
 
 def test_bench_gdn_is_a_bench_kind_and_needs_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from tests.interpreter_checks import report, run_interpreted
+from tests.interpreter_checks import assert_within, report, run_interpreted
 
 BF16 = torch.bfloat16
 
@@ -301,14 +301,7 @@ def interpreted_results() -> dict[str, dict[str, object]]:
 def test_triton_kernel_matches_reference(
     name: str, interpreted_results: dict[str, dict[str, object]]
 ) -> None:
-    record = interpreted_results.get(name)
-    assert record is not None, f"check {name} did not report"
-    assert "exception" not in record, record.get("exception")
-    errors = record["errors"]
-    assert isinstance(errors, dict)
-    for key, err in errors.items():
-        limit = TOLERANCE.get(key, DEFAULT_TOLERANCE)
-        assert err <= limit, f"{name}.{key}: relative error {err:.3g} > {limit}"
+    assert_within(interpreted_results, name, TOLERANCE, DEFAULT_TOLERANCE)
 
 
 if __name__ == "__main__":
