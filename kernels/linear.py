@@ -3,6 +3,10 @@
 Weights are row-major ``[N, K]`` (torch's ``F.linear`` layout). The fused op takes the MLP's
 ``gate_up`` weight ``[2I, K]`` (gate rows first, then up rows) and returns ``silu(gate) * up``
 ``[M, I]``; it is exactly ``silu_and_mul(linear(x, w_gate_up))``.
+
+The ``rms_norm_*`` forms apply the decoder's pre-norm first (``kernels/norms.py``'s ``rms_norm``,
+residual add included) and also return the residual stream it leaves; on CUDA the norm runs in the
+linear kernel's prologue, which saves a launch and a round trip per norm.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.activation import silu_and_mul_ref
+from kernels.norms import rms_norm_ref
 
 
 def linear_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -21,3 +26,19 @@ def linear_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def linear_silu_and_mul_ref(x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
     """x [M, K], w_gate_up [2I, K] -> silu(x @ w_gate[:I].T) * (x @ w_gate_up[I:].T), [M, I]."""
     return silu_and_mul_ref(F.linear(x, w_gate_up))
+
+
+def rms_norm_linear_ref(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None, w: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear(rms_norm(h), w), h) with h = x + residual (or x): the norm's output in x.dtype."""
+    normed, h = rms_norm_ref(x, weight, eps, residual)
+    return linear_ref(normed, w), h
+
+
+def rms_norm_linear_silu_and_mul_ref(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None, w_gate_up: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear_silu_and_mul(rms_norm(h), w_gate_up), h) with h = x + residual (or x)."""
+    normed, h = rms_norm_ref(x, weight, eps, residual)
+    return linear_silu_and_mul_ref(normed, w_gate_up), h

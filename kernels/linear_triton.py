@@ -14,10 +14,18 @@ Batch-1 decode is bound by reading the weights once, so the kernels are built fo
   a bandwidth-bound decode has to spare.
 - ``*_silu_and_mul``: the MLP's gate_up weight ``[2I, K]``; each program reads gate rows ``j`` and
   the matching up rows ``j + I`` and writes ``silu(gate) * up``: one launch, no ``[M, 2I]`` round trip.
+- ``rms_norm_linear*``: at M = 1, the decoder's pre-norm (residual add, then (1 + w) RMSNorm) in
+  the GEMV's prologue. Each program first reads the whole x + residual row from L2 in one wide load
+  for its inverse RMS, then normalises each K block as it streams the weights, rounding to bf16
+  exactly where the separate norm kernel stores its output; program 0 writes the new residual
+  stream. This removes the 64 norm launches of a 4B batch-1 decode step. More rows run the norm
+  kernel and then the GEMM (see ``_pre_normed``).
 
 Triton or cuBLAS, per shape: right after a tuning key is tuned (eagerly), its tuned kernel races
-cuBLAS on the same inputs, and from then on the key answers from the faster one (logged once as
-"decode linear backend"; ``PHALANX_LINEAR=triton`` skips the race). On the H200 the GEMV beat
+cuBLAS (with the separate norm and SiLU kernels where the Triton op fuses them) on the same inputs,
+each timed inside a small CUDA graph with an L2 flush before every call, as a decode graph runs
+them; from then on the key answers from the faster one (logged once as "decode linear backend",
+with the tuned config; ``PHALANX_LINEAR=triton`` skips the race). On the H200 the GEMV beat
 cuBLAS at M = 1 (the batch-1 graph step went from 3.65 to 3.21 ms), while the batch-64 step came
 out about 0.4 ms slower than the cuBLAS run plus the GDN kernel's saving predicted: shapes where
 cuBLAS wins are what the race catches.
@@ -25,8 +33,8 @@ cuBLAS wins are what the race catches.
 Split-K is left out on purpose: combining partial sums costs a zeroed fp32 buffer (memset) plus a
 convert launch, more than it saves inside a CUDA graph where each launch is ~1-2 µs.
 
-Autotuning and CUDA graphs: the GEMV is tuned per (N, K, fused or not), the GEMM per (N, K,
-``BLOCK_M``, fused or not), where ``BLOCK_M`` is the power-of-2 bucket of M clamped to 16..64, never
+Autotuning and CUDA graphs: the GEMV is tuned per (N, K, fused or not, pre-normed or not), the
+GEMM per (N, K, ``BLOCK_M``, fused or not), where ``BLOCK_M`` is the power-of-2 bucket of M clamped to 16..64, never
 M itself. Decode graph buckets are powers of 2 (protocol/buckets.py), and the graph sweep's Warmup
 phase runs one eager decode step per bucket with exactly the bucket's row count before any Capture
 (worker/graphs.py), so every tuning key a captured graph uses has been tuned eagerly first and
@@ -41,7 +49,9 @@ from __future__ import annotations
 
 import functools
 import os
+import statistics
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -58,22 +68,39 @@ log = structlog.get_logger(__name__)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _DOT_MIN_M = 16  # tl.dot needs every block dimension >= 16
 _DOT_MAX_BLOCK_M = 64
+_NORM_BLOCK_MAX = 8192  # the GEMV's norm prologue reads up to this many elements per load
 
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, y_ptr, N, K, inter, stride_wn,
+    x_ptr, w_ptr, y_ptr, res_ptr, nw_ptr, h_ptr, N, K, inter, stride_wn, eps,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU_MUL: tl.constexpr,
+    NORM: tl.constexpr, NORM_BLOCK: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     cols = tl.arange(0, BLOCK_K)
+    inv = 1.0
+    if NORM:
+        # Every program needs the row's norm before its first product. The row is read in as few,
+        # wide loads as possible (usually one): each is a round trip to L2 that delays the weights.
+        ss = tl.zeros((NORM_BLOCK,), dtype=tl.float32)
+        for k0 in range(0, K, NORM_BLOCK):
+            k = k0 + tl.arange(0, NORM_BLOCK)
+            h = _residual_sum(x_ptr + k, res_ptr + k, k < K)
+            if tl.program_id(0) == 0:  # program 0 writes the new residual stream h = x + residual
+                tl.store(h_ptr + k, h, mask=k < K)
+            ss += h.to(tl.float32) * h.to(tl.float32)
+        inv = tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + cols
         k_mask = k < K
-        x = tl.load(x_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
+        if NORM:
+            x = _normed(_residual_sum(x_ptr + k, res_ptr + k, k_mask), inv, nw_ptr + k, k_mask)
+        else:
+            x = tl.load(x_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
         tile_mask = row_mask[:, None] & k_mask[None, :]
         w = tl.load(w_ptr + rows[:, None] * stride_wn + k[None, :], mask=tile_mask, other=0.0)
         acc += w.to(tl.float32) * x[None, :]
@@ -85,6 +112,21 @@ def _gemv_kernel(
     if SILU_MUL:
         out = out * tl.sigmoid(out) * tl.sum(acc_up, axis=1)
     tl.store(y_ptr + rows, out.to(y_ptr.dtype.element_ty), mask=row_mask)
+
+
+@triton.jit
+def _residual_sum(x_ptrs, res_ptrs, mask):
+    """x + residual, rounded to the model dtype: the residual stream is stored in it."""
+    x = tl.load(x_ptrs, mask=mask, other=0.0)
+    return (x.to(tl.float32) + tl.load(res_ptrs, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
+
+
+@triton.jit
+def _normed(h, inv, nw_ptrs, mask):
+    """Qwen's (1 + w) RMSNorm of h given its inverse RMS, rounded to the model dtype exactly as the
+    separate norm kernel stores it, returned in fp32 for the products."""
+    nw = tl.load(nw_ptrs, mask=mask, other=0.0).to(tl.float32)
+    return (h.to(tl.float32) * inv * (1.0 + nw)).to(h.dtype).to(tl.float32)
 
 
 @triton.jit
@@ -129,26 +171,24 @@ def _config(block_n: int, block_k: int, warps: int, stages: int = 3) -> triton.C
     return triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k}, num_warps=warps, num_stages=stages)
 
 
-# (BLOCK_N, BLOCK_K, warps): from one row per program with very long loads to 32 rows with short
-# ones. Each keeps at most 64 fp32 accumulators a thread (twice BLOCK_N x BLOCK_K / threads when
-# fused), so none spills.
+# (BLOCK_N, BLOCK_K, warps): from two rows per program with long loads to 32 rows with short ones,
+# each keeping at most 64 fp32 accumulators a thread (twice BLOCK_N x BLOCK_K / threads when
+# fused), so none spills. The list is the configs the H200 picked for the 4B and 9B shapes out of
+# three times as many candidates; every candidate costs a compile in each cold pre-capture sweep.
 _GEMV_CONFIGS = [
     _config(n, k, w)
     for n, k, w in [
-        (1, 1024, 4), (1, 2048, 4), (1, 2048, 8), (2, 512, 4), (2, 1024, 4), (2, 1024, 8),
-        (4, 256, 4), (4, 512, 4), (4, 512, 8), (4, 1024, 8), (8, 128, 4), (8, 256, 4),
-        (8, 256, 8), (8, 512, 8), (16, 64, 4), (16, 128, 4), (16, 256, 8), (32, 64, 4),
-        (32, 128, 8), (4, 1024, 4), (8, 512, 4), (2, 2048, 8), (4, 128, 4), (8, 128, 8),
+        (2, 1024, 4), (2, 2048, 8), (4, 512, 4), (4, 1024, 8), (8, 256, 4),
+        (8, 256, 8), (16, 128, 4), (16, 256, 8), (32, 128, 8),
     ]
 ]  # fmt: skip
-# (BLOCK_N, BLOCK_K, warps, stages): weight rows per program x K depth x pipeline depth. Tiles
-# that overflow shared memory at large BLOCK_M fail to compile and the autotuner skips them.
+# (BLOCK_N, BLOCK_K, warps, stages): weight rows per program x K depth x pipeline depth, pruned the
+# same way. Tiles that overflow shared memory at large BLOCK_M fail to compile and are skipped.
 _GEMM_CONFIGS = [
     _config(n, k, w, s)
     for n, k, w, s in [
-        (16, 128, 4, 4), (16, 256, 4, 3), (16, 512, 4, 3), (16, 128, 2, 5), (32, 64, 2, 6),
-        (32, 128, 4, 4), (32, 256, 4, 3), (64, 64, 4, 5), (64, 128, 4, 3), (64, 128, 4, 4),
-        (64, 256, 8, 3), (128, 64, 4, 4), (128, 64, 8, 5), (128, 128, 8, 3),
+        (16, 128, 2, 5), (16, 512, 4, 3), (32, 256, 4, 3), (64, 128, 4, 4),
+        (128, 64, 4, 4), (128, 64, 8, 5), (128, 128, 8, 3),
     ]
 ]  # fmt: skip
 _FIXED_INTERPRETER_CONFIG: dict[str, Any] = {"BLOCK_N": 16, "BLOCK_K": 32}
@@ -156,8 +196,8 @@ _FIXED_INTERPRETER_CONFIG: dict[str, Any] = {"BLOCK_N": 16, "BLOCK_K": 32}
 
 def _quick_bench(kernel_call: Any, quantiles: Any) -> Any:
     """Triton's benchmark (L2 flushed before every run) with short windows: a decode linear takes
-    microseconds, so 20 ms of repetitions is hundreds of runs, and ~20 configs x ~50 keys stay cheap."""
-    return triton.testing.do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
+    microseconds, so 10 ms of repetitions is hundreds of runs, and ~8 configs x ~30 keys stay cheap."""
+    return triton.testing.do_bench(kernel_call, warmup=5, rep=10, quantiles=quantiles)
 
 
 def _autotuned(kernel: Any, configs: list[triton.Config], key: list[str]) -> Any:
@@ -173,11 +213,11 @@ def _autotuned(kernel: Any, configs: list[triton.Config], key: list[str]) -> Any
     )(kernel)
 
 
-_gemv = _autotuned(_gemv_kernel, _GEMV_CONFIGS, key=["N", "K", "SILU_MUL"])
+_gemv = _autotuned(_gemv_kernel, _GEMV_CONFIGS, key=["N", "K", "SILU_MUL", "NORM"])
 _skinny_gemm = _autotuned(_skinny_gemm_kernel, _GEMM_CONFIGS, key=["N", "K", "BLOCK_M", "SILU_MUL"])
 
 
-_KEY_FIELDS = ("N", "K", "BLOCK_M", "fused", "dtype")  # of a tuning key, after the kernel's name
+_KEY_FIELDS = ("N", "K", "BLOCK_M", "fused", "pre_norm", "dtype")  # of a tuning key, after the kernel's name
 # The autotuner's pick per tuning key, once it has tuned (or loaded) it outside graph capture.
 _best_configs: dict[tuple[object, ...], triton.Config] = {}
 # Per tuning key, whether cuBLAS measured faster than the tuned Triton kernel (decided eagerly).
@@ -241,45 +281,88 @@ def _check(x: torch.Tensor, w: torch.Tensor, op: str) -> None:
         raise ValueError(f"{op}: x dtype {x.dtype} differs from weight dtype {w.dtype}")
 
 
-def _launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, n_out: int, silu_mul: bool) -> torch.Tensor:
-    """y[:, :n_out] = x @ w.T (or the fused silu(gate) * up over rows j and j + n_out); for a
-    tuning key where cuBLAS measured faster, cuBLAS's result instead (y unused)."""
+@dataclass(frozen=True)
+class PreNorm:
+    """The (1 + w) RMSNorm a linear applies to its input first (see ``kernels/linear.py``): the
+    residual added before it, its weight and eps, and ``h``, the buffer that receives the new
+    residual stream x + residual."""
+
+    residual: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+    h: torch.Tensor
+
+    @classmethod
+    def build(
+        cls, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+    ) -> PreNorm:
+        if residual is None:
+            # A zero residual keeps one kernel variant (x + 0 is x exactly); the first layer only.
+            residual = torch.zeros_like(x)
+        elif residual.shape != x.shape:
+            raise ValueError(
+                f"rms_norm_linear: residual {tuple(residual.shape)} differs from x {tuple(x.shape)}"
+            )
+        return cls(residual.contiguous(), weight, eps, torch.empty_like(x))
+
+
+def _launch(
+    x: torch.Tensor, w: torch.Tensor, n_out: int, silu_mul: bool, norm: PreNorm | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, h): y = f(x) @ w.T over n_out rows (or the fused silu(gate) * up over rows j and
+    j + n_out), where f is ``norm`` or the identity, and h the residual stream the norm leaves
+    (x itself without one); for a tuning key where cuBLAS measured faster, cuBLAS's answer."""
     m, k = x.shape
-    if m == 0 or n_out == 0:
-        return y
     if x.stride(1) != 1:
         x = x.contiguous()
-    if m == 1:
-        kind, key = "gemv", ("gemv", n_out, k, 1, silu_mul, x.dtype)
-        grid_of = lambda meta: (cdiv(n_out, meta["BLOCK_N"]),)  # noqa: E731
-        args = (x, w, y, n_out, k, n_out, w.stride(0))
-        constexprs: dict[str, Any] = {"SILU_MUL": silu_mul}
-    else:
-        block_m = min(max(next_pow2(m), _DOT_MIN_M), _DOT_MAX_BLOCK_M)
-        kind, key = "gemm", ("gemm", n_out, k, block_m, silu_mul, x.dtype)
-        grid_of = lambda meta: (cdiv(n_out, meta["BLOCK_N"]), cdiv(m, block_m))  # noqa: E731
-        args = (x, w, y, m, n_out, k, n_out, x.stride(0), w.stride(0), y.stride(0))
-        constexprs = {"BLOCK_M": block_m, "SILU_MUL": silu_mul, "DOT_F32": _INTERPRET}
+    block_m = 1 if m == 1 else min(max(next_pow2(m), _DOT_MIN_M), _DOT_MAX_BLOCK_M)
+    kind = "gemv" if m == 1 else "gemm"
+    key = (kind, n_out, k, block_m, silu_mul, norm is not None, x.dtype)
     decided = _cublas_faster.get(key)
     if decided:
-        return _cublas(x, w, silu_mul)
+        return _cublas(x, w, silu_mul, norm)
+    y = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
+    if m == 0 or n_out == 0:
+        return y, x if norm is None else norm.h
+    constexprs: dict[str, Any] = {"SILU_MUL": silu_mul}
+    if m == 1:
+        # Without a norm the norm's pointers are never read: x stands in for each of them.
+        res, nw, h, eps = (x, x, x, 0.0) if norm is None else (norm.residual, norm.weight, norm.h, norm.eps)
+        grid_of = lambda meta: (cdiv(n_out, meta["BLOCK_N"]),)  # noqa: E731
+        args = (x, w, y, res, nw, h, n_out, k, n_out, w.stride(0), eps)
+        constexprs.update(NORM=norm is not None, NORM_BLOCK=min(next_pow2(k), _NORM_BLOCK_MAX))
+    else:
+        if norm is not None:
+            raise ValueError("the skinny GEMM has no norm prologue: pre-norm rows with rms_norm first")
+        h = x
+        grid_of = lambda meta: (cdiv(n_out, meta["BLOCK_N"]), cdiv(m, block_m))  # noqa: E731
+        args = (x, w, y, m, n_out, k, n_out, x.stride(0), w.stride(0), y.stride(0))
+        constexprs.update(BLOCK_M=block_m, DOT_F32=_INTERPRET)
     _run(kind, key, grid_of, args, constexprs)
     if decided is None and not _INTERPRET and not torch.cuda.is_current_stream_capturing():
         run = functools.partial(_run, kind, key, grid_of, args, constexprs)
-        _cublas_faster[key] = _measure_against_cublas(key, run, lambda: _cublas(x, w, silu_mul))
+        _cublas_faster[key] = _measure_against_cublas(key, run, lambda: _cublas(x, w, silu_mul, norm))
         if _cublas_faster[key]:  # from its first call on, a key answers from one backend only
-            return _cublas(x, w, silu_mul)
-    return y
+            return _cublas(x, w, silu_mul, norm)
+    return y, h
 
 
-def _cublas(x: torch.Tensor, w: torch.Tensor, silu_mul: bool) -> torch.Tensor:
-    """The same op through cuBLAS (and, fused, the SiLU-and-mul kernel after it)."""
+def _cublas(
+    x: torch.Tensor, w: torch.Tensor, silu_mul: bool, norm: PreNorm | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same op through cuBLAS, with the separate norm kernel before it and the SiLU-and-mul
+    kernel after it where the op fuses them."""
+    h = x
+    if norm is not None:
+        from kernels.norms_triton import rms_norm_triton
+
+        x, h = rms_norm_triton(x, norm.weight, norm.eps, norm.residual)
     out = F.linear(x, w)
-    if not silu_mul:
-        return out
-    from kernels.activation_triton import silu_and_mul_triton
+    if silu_mul:
+        from kernels.activation_triton import silu_and_mul_triton
 
-    return silu_and_mul_triton(out)
+        out = silu_and_mul_triton(out)
+    return out, h
 
 
 def _measure_against_cublas(
@@ -289,31 +372,108 @@ def _measure_against_cublas(
     tuning, so graph capture only reads the answer). ``PHALANX_LINEAR=triton`` skips the race."""
     if os.environ.get("PHALANX_LINEAR", "auto").strip().lower() == "triton":
         return False
-    triton_ms = _quick_bench(triton_run, None)
-    cublas_ms = _quick_bench(cublas_run, None)
-    faster = cublas_ms < triton_ms
+    triton_us = _graph_us(triton_run)
+    cublas_us = _graph_us(cublas_run)
+    faster = cublas_us < _CUBLAS_MARGIN * triton_us
     shape = dict(zip(_KEY_FIELDS, key[1:], strict=True))
+    best = _best_configs.get(key)
     log.info(
         "decode linear backend",
         kernel=key[0],
         **{name: str(value) for name, value in shape.items()},
-        triton_us=round(triton_ms * 1e3, 1),
-        cublas_us=round(cublas_ms * 1e3, 1),
+        triton_us=round(triton_us, 1),
+        cublas_us=round(cublas_us, 1),
         picked="cublas" if faster else "triton",
+        config=None if best is None else f"{best.kwargs} warps={best.num_warps} stages={best.num_stages}",
     )
     return faster
 
 
+# cuBLAS must win by this much: a near tie goes to Triton, one launch where cuBLAS takes two or
+# three when the op fuses a norm or SiLU (eager decode pays per launch). Near ties flipped from run to run.
+_CUBLAS_MARGIN = 0.98
+_RACE_CALLS = 4  # op calls per timed graph, each after an L2 flush
+_RACE_REPLAYS = 7
+_L2_FLUSH_BYTES = 128 << 20  # over twice the H200's 60 MB L2
+
+
+@functools.cache
+def _l2_flush_buffer(device: int) -> torch.Tensor:
+    return torch.empty(_L2_FLUSH_BYTES, dtype=torch.uint8, device=f"cuda:{device}")
+
+
+def _graph_us(run: Callable[[], object]) -> float:
+    """Median µs of one replay of a CUDA graph of (L2 flush, ``run``) x _RACE_CALLS: how the op runs
+    in a decode graph, where launches cost ~1 µs and the weights come from HBM. The flush is the
+    same for both sides of the race, so it cancels out of the comparison."""
+    flush = _l2_flush_buffer(torch.cuda.current_device())
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # cuBLAS workspaces and first launches outside the capture
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        for _ in range(_RACE_CALLS):
+            flush.zero_()
+            run()
+    times = []
+    for _ in range(_RACE_REPLAYS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / _RACE_CALLS)
+    del graph
+    return statistics.median(times)
+
+
 def linear_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     _check(x, w, "linear")
-    y = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
-    return _launch(x, w, y, w.shape[0], silu_mul=False)
+    return _launch(x, w, w.shape[0], silu_mul=False)[0]
+
+
+def _gate_up_rows(w_gate_up: torch.Tensor) -> int:
+    if w_gate_up.shape[0] % 2:
+        raise ValueError(f"linear_silu_and_mul: gate_up weight has an odd row count {w_gate_up.shape[0]}")
+    return w_gate_up.shape[0] // 2
 
 
 def linear_silu_and_mul_triton(x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
     _check(x, w_gate_up, "linear_silu_and_mul")
-    if w_gate_up.shape[0] % 2:
-        raise ValueError(f"linear_silu_and_mul: gate_up weight has an odd row count {w_gate_up.shape[0]}")
-    inter = w_gate_up.shape[0] // 2
-    y = torch.empty((x.shape[0], inter), dtype=x.dtype, device=x.device)
-    return _launch(x, w_gate_up, y, inter, silu_mul=True)
+    return _launch(x, w_gate_up, _gate_up_rows(w_gate_up), silu_mul=True)[0]
+
+
+def _pre_normed(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None,
+    w: torch.Tensor,
+    silu_mul: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One row: the norm in the GEMV's prologue. More rows: the norm kernel, then the skinny GEMM.
+    A norm prologue in the GEMM lost to norm + cuBLAS at every 4B shape and batch bucket on the
+    H200 (it re-reads the rows' K once more before the MMA loop), so it was dropped."""
+    n_out = _gate_up_rows(w) if silu_mul else w.shape[0]
+    if x.shape[0] == 1:
+        return _launch(x, w, n_out, silu_mul, PreNorm.build(x, weight, eps, residual))
+    from kernels.norms_triton import rms_norm_triton
+
+    normed, h = rms_norm_triton(x, weight, eps, residual)
+    return _launch(normed, w, n_out, silu_mul)[0], h
+
+
+def rms_norm_linear_triton(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None, w: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _check(x, w, "rms_norm_linear")
+    return _pre_normed(x, weight, eps, residual, w, silu_mul=False)
+
+
+def rms_norm_linear_silu_and_mul_triton(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None, w_gate_up: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _check(x, w_gate_up, "rms_norm_linear_silu_and_mul")
+    return _pre_normed(x, weight, eps, residual, w_gate_up, silu_mul=True)

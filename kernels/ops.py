@@ -20,7 +20,12 @@ from kernels.conv1d import causal_conv1d_decode_ref, causal_conv1d_prefill_ref
 from kernels.gdn import gated_delta_rule_decode_ref, gated_delta_rule_prefill_ref, gdn_gating_ref
 from kernels.gdn_step import gdn_decode_step_ref
 from kernels.kv_cache import write_kv_ref
-from kernels.linear import linear_ref, linear_silu_and_mul_ref
+from kernels.linear import (
+    linear_ref,
+    linear_silu_and_mul_ref,
+    rms_norm_linear_ref,
+    rms_norm_linear_silu_and_mul_ref,
+)
 from kernels.norms import gated_rms_norm_ref, rms_norm_ref
 from kernels.rope import apply_rope_ref, rope_cache
 from kernels.rope_kv import norm_rope_write_kv_ref
@@ -40,6 +45,8 @@ __all__ = [
     "paged_decode_attention",
     "paged_prefill_attention",
     "rms_norm",
+    "rms_norm_linear",
+    "rms_norm_linear_silu_and_mul",
     "rope_cache",
     "silu_and_mul",
     "write_kv",
@@ -107,6 +114,28 @@ def linear_silu_and_mul(x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tenso
     if _triton_linear(x, w_gate_up):
         return _triton("linear", "linear_silu_and_mul")(x, w_gate_up)
     return silu_and_mul(F.linear(x, w_gate_up))
+
+
+def rms_norm_linear(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None, w: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if not x.is_cuda:
+        return rms_norm_linear_ref(x, weight, eps, residual, w)
+    if _triton_linear(x, w):
+        return _triton("linear", "rms_norm_linear")(x, weight, eps, residual, w)
+    normed, h = rms_norm(x, weight, eps, residual)
+    return F.linear(normed, w), h
+
+
+def rms_norm_linear_silu_and_mul(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None, w_gate_up: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if not x.is_cuda:
+        return rms_norm_linear_silu_and_mul_ref(x, weight, eps, residual, w_gate_up)
+    if _triton_linear(x, w_gate_up):
+        return _triton("linear", "rms_norm_linear_silu_and_mul")(x, weight, eps, residual, w_gate_up)
+    normed, h = rms_norm(x, weight, eps, residual)
+    return silu_and_mul(F.linear(normed, w_gate_up)), h
 
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,13 @@ if not torch.cuda.is_available():
 
 from kernels import linear_triton as linear_triton_module  # noqa: E402
 from kernels import ops  # noqa: E402
-from kernels.linear_triton import linear_silu_and_mul_triton, linear_triton  # noqa: E402
+from kernels.linear_triton import (  # noqa: E402
+    linear_silu_and_mul_triton,
+    linear_triton,
+    rms_norm_linear_silu_and_mul_triton,
+    rms_norm_linear_triton,
+)
+from kernels.norms_triton import rms_norm_triton  # noqa: E402
 from tests.gpu_checks import rel  # noqa: E402
 from tools.bench_linear import LinearShape, linear_shapes  # noqa: E402
 
@@ -66,6 +72,42 @@ def test_linear_matches_fp32_reference(shape: LinearShape, m: int, weights: dict
     assert out.dtype == BF16 and out.shape == ref.shape
     err = rel(out, ref)
     assert err <= TOL, f"{shape.name} {shape.n}x{shape.k} M={m}: relative error {err:.3g} > {TOL}"
+
+
+PRE_NORMED = [
+    s for s in SHAPES if s.name in ("linear_attn.in_proj", "self_attn.qkv_proj", "mlp.gate_up_proj")
+]
+
+
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize("shape", PRE_NORMED, ids=[s.name for s in PRE_NORMED])
+def test_pre_normed_linear_matches_norm_then_linear(
+    shape: LinearShape, m: int, weights: dict[str, torch.Tensor]
+) -> None:
+    """The (1 + w) RMSNorm with its residual add in the linear's prologue: the residual stream is
+    bit-identical to the separate norm kernel's, the output within bf16 tolerance of fp32 math on
+    that kernel's bf16 norm output."""
+    w = weights[shape.name]
+    x, residual = (torch.randn(m, shape.k, device=DEV).to(BF16) for _ in range(2))
+    norm = (torch.randn(shape.k, device=DEV) * 0.1).to(BF16)
+    op = rms_norm_linear_silu_and_mul_triton if shape.fused_silu else rms_norm_linear_triton
+    normed, h_ref = rms_norm_triton(x, norm, 1e-6, residual)
+    ref = F.linear(normed.float(), w.float())
+    if shape.fused_silu:
+        gate, up = ref.chunk(2, dim=-1)
+        ref = F.silu(gate) * up
+    for res in (residual, None):
+        tuned, _ = op(x, norm, 1e-6, res, w)
+        out, h = op(x, norm, 1e-6, res, w)
+        assert torch.equal(out, tuned), (
+            f"{shape.name} M={m}: FastLaunch result differs from the autotuned launch"
+        )
+        if res is None:  # a zero residual: the stream is x itself
+            assert torch.equal(h, x)
+            continue
+        assert torch.equal(h, h_ref), f"{shape.name} M={m}: residual stream differs from rms_norm's"
+        err = rel(out, ref)
+        assert err <= TOL, f"{shape.name} M={m} pre-normed: relative error {err:.3g} > {TOL}"
 
 
 def test_dispatch_picks_triton_up_to_the_threshold() -> None:
@@ -120,6 +162,6 @@ def test_cublas_race_decides_each_key_once_and_both_answers_are_right(
         ref = F.linear(x.float(), w.float())
         first = linear_triton(x, w)  # tunes, then races the tuned kernel against cuBLAS
         block_m = 1 if m == 1 else 64
-        key = ("gemv" if m == 1 else "gemm", 2560, 9216, block_m, False, BF16)
+        key = ("gemv" if m == 1 else "gemm", 2560, 9216, block_m, False, False, BF16)
         assert key in linear_triton_module._cublas_faster, f"M={m}: no backend decision recorded"
         assert rel(first, ref) <= TOL and rel(linear_triton(x, w), ref) <= TOL

@@ -58,10 +58,19 @@ class FullAttention:
         self.k_cache = torch.zeros(shape, dtype=self.o_weight.dtype, device=self.o_weight.device)
         self.v_cache = torch.zeros_like(self.k_cache)
 
-    def __call__(self, x: torch.Tensor, ctx: StepContext, cos_sin: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm: torch.Tensor,
+        ctx: StepContext,
+        cos_sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(output, residual stream): x + residual is pre-normed with ``norm`` inside the qkv linear."""
         tokens, hd = x.shape[0], self.head_dim
         q_size, kv_size = self.num_heads * 2 * hd, self.num_kv_heads * hd
-        q_gate, k, v = ops.linear(x, self.qkv_weight).split([q_size, kv_size, kv_size], dim=-1)
+        qkv, residual = ops.rms_norm_linear(x, norm, self.eps, residual, self.qkv_weight)
+        q_gate, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q, gate = q_gate.view(tokens, self.num_heads, 2 * hd).split([hd, hd], dim=-1)
         # q/k norms, partial RoPE and the paged K/V write in one op (one kernel on CUDA).
         q = ops.norm_rope_write_kv(
@@ -86,7 +95,7 @@ class FullAttention:
             gated = ops.paged_decode_attention(
                 q, self.k_cache, self.v_cache, ctx.page_tables, ctx.seq_lens, self.scale, gate
             )
-        return self.tp.all_reduce(ops.linear(gated.reshape(tokens, -1), self.o_weight))
+        return self.tp.all_reduce(ops.linear(gated.reshape(tokens, -1), self.o_weight)), residual
 
 
 class GatedDeltaNet:
@@ -122,12 +131,14 @@ class GatedDeltaNet:
             num_slots, self.conv_dim, self.kernel - 1, dtype=self.out_weight.dtype, device=device
         )
 
-    def __call__(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, residual: torch.Tensor | None, norm: torch.Tensor, ctx: StepContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(output, residual stream): x + residual is pre-normed with ``norm`` inside in_proj."""
         tokens = x.shape[0]
         z_size = self.value_heads * self.value_dim
-        qkv, z, b, a = ops.linear(x, self.in_weight).split(
-            [self.conv_dim, z_size, self.value_heads, self.value_heads], dim=-1
-        )
+        projected, residual = ops.rms_norm_linear(x, norm, self.eps, residual, self.in_weight)
+        qkv, z, b, a = projected.split([self.conv_dim, z_size, self.value_heads, self.value_heads], dim=-1)
         if not ctx.is_prefill:  # conv, gates, delta rule and gated norm in one op (one kernel on CUDA)
             y = ops.gdn_decode_step(
                 qkv,
@@ -143,7 +154,7 @@ class GatedDeltaNet:
                 self.recurrent_state,
                 ctx.state_slots,
             )
-            return self.tp.all_reduce(ops.linear(y.reshape(tokens, -1), self.out_weight))
+            return self.tp.all_reduce(ops.linear(y.reshape(tokens, -1), self.out_weight)), residual
         mixed = ops.causal_conv1d_prefill(
             qkv, self.conv_weight, self.conv_state, ctx.state_slots, ctx.cu_seqlens, ctx.has_initial_state
         )
@@ -157,24 +168,29 @@ class GatedDeltaNet:
             q, k, v, g, beta, self.recurrent_state, ctx.state_slots, ctx.cu_seqlens, ctx.has_initial_state
         )
         y = ops.gated_rms_norm(o, z.reshape(tokens, self.value_heads, self.value_dim), self.norm, self.eps)
-        return self.tp.all_reduce(ops.linear(y.reshape(tokens, -1), self.out_weight))
+        return self.tp.all_reduce(ops.linear(y.reshape(tokens, -1), self.out_weight)), residual
 
 
 class MLP:
     """SwiGLU: gate|up rows sharded, down columns sharded, then all-reduce."""
 
-    def __init__(self, w: Weights, tp: TensorParallel) -> None:
+    def __init__(self, w: Weights, tp: TensorParallel, eps: float) -> None:
         self.gate_up_weight = w["gate_up_proj.weight"]
         self.down_weight = w["down_proj.weight"]
         self.tp = tp
+        self.eps = eps
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = ops.linear_silu_and_mul(x, self.gate_up_weight)
-        return self.tp.all_reduce(ops.linear(hidden, self.down_weight))
+    def __call__(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(output, residual stream): x + residual is pre-normed with ``norm`` inside gate_up."""
+        hidden, residual = ops.rms_norm_linear_silu_and_mul(x, norm, self.eps, residual, self.gate_up_weight)
+        return self.tp.all_reduce(ops.linear(hidden, self.down_weight)), residual
 
 
 class DecoderLayer:
-    """Pre-norm residual block: h += mixer(norm1(h)); h += mlp(norm2(h)), with fused residual adds."""
+    """Pre-norm residual block: h += mixer(norm1(h)); h += mlp(norm2(h)). Each norm, with the
+    residual add before it, runs inside the first linear that reads its output."""
 
     def __init__(
         self, index: int, w: Weights, config: Qwen35Config, layout: RankLayout, tp: TensorParallel
@@ -186,18 +202,17 @@ class DecoderLayer:
         mixer_w = {name[len(mixer_prefix) :]: t for name, t in own.items() if name.startswith(mixer_prefix)}
         self.attention = FullAttention(mixer_w, config, layout, tp) if self.is_full_attention else None
         self.linear_attention = None if self.is_full_attention else GatedDeltaNet(mixer_w, config, layout, tp)
-        self.mlp = MLP({name[4:]: t for name, t in own.items() if name.startswith("mlp.")}, tp)
+        self.mlp = MLP(
+            {name[4:]: t for name, t in own.items() if name.startswith("mlp.")}, tp, config.rms_norm_eps
+        )
         self.input_norm = own["input_layernorm.weight"]
         self.post_norm = own["post_attention_layernorm.weight"]
-        self.eps = config.rms_norm_eps
 
     def __call__(
         self, x: torch.Tensor, residual: torch.Tensor | None, ctx: StepContext, cos_sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        normed, residual = ops.rms_norm(x, self.input_norm, self.eps, residual)
         if self.attention is not None:
-            mixed = self.attention(normed, ctx, cos_sin)
+            mixed, residual = self.attention(x, residual, self.input_norm, ctx, cos_sin)
         else:
-            mixed = self.linear_attention(normed, ctx)
-        normed, residual = ops.rms_norm(mixed, self.post_norm, self.eps, residual)
-        return self.mlp(normed), residual
+            mixed, residual = self.linear_attention(x, residual, self.input_norm, ctx)
+        return self.mlp(mixed, residual, self.post_norm)

@@ -163,10 +163,11 @@ class Qwen35Model:
             page_tables=page_tables,
             has_initial_state=starts > 0,
         )
-        hidden = self._layers(tokens, ctx)
+        hidden, residual = self._layers(tokens, ctx)
         if not all_logits:
-            hidden = hidden[cu_seqlens[1:].long() - 1]
-        return self._logits(hidden)
+            last = cu_seqlens[1:].long() - 1
+            hidden, residual = hidden[last], residual[last]
+        return self._logits(hidden, residual)
 
     def _check_token_ids(self, tokens: torch.Tensor) -> None:
         low, high = int(tokens.min()), int(tokens.max())
@@ -204,15 +205,16 @@ class Qwen35Model:
             page_tables=batch.page_table,
             seq_lens=(positions + 1).to(torch.int32),
         )
-        return self._logits(self._layers(batch.tokens, ctx))
+        return self._logits(*self._layers(batch.tokens, ctx))
 
-    def _layers(self, tokens: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+    def _layers(self, tokens: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The last layer's output and the residual stream before it (their sum is the hidden state)."""
         x = self.embed(tokens)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, ctx, self.cos_sin)
-        return x if residual is None else x + residual
+        return x, residual
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        normed, _ = ops.rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
+    def _logits(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        normed, _ = ops.rms_norm(hidden, self.final_norm, self.config.rms_norm_eps, residual)
         return self.head(normed)
