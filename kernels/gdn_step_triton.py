@@ -12,6 +12,8 @@ tiles in flight to approach the copy bandwidth."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -92,24 +94,11 @@ def _gdn_decode_step_kernel(
 _fused_step_launch = FastLaunch(_gdn_decode_step_kernel)
 
 
-def gdn_decode_step_triton(
-    mixed_qkv: torch.Tensor,
-    conv_weight: torch.Tensor,
-    conv_state: torch.Tensor,
-    z: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    state: torch.Tensor,
-    state_slots: torch.Tensor,
-) -> torch.Tensor:
+def gdn_decode_step_triton(mixed_qkv: torch.Tensor, *args: Any) -> torch.Tensor:
+    """``gdn_decode_step`` (signature in ``kernels/gdn_step.py``): the fused kernel below
+    ``SPLIT_MIN_BATCH`` rows, the split path from there."""
     step = gdn_decode_step_split if mixed_qkv.shape[0] >= SPLIT_MIN_BATCH else gdn_decode_step_fused
-    return step(
-        mixed_qkv, conv_weight, conv_state, z, a, b, A_log, dt_bias, norm_weight, eps, state, state_slots
-    )
+    return step(mixed_qkv, *args)
 
 
 def gdn_decode_step_fused(

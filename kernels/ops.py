@@ -119,23 +119,31 @@ def linear_silu_and_mul(x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tenso
 def rms_norm_linear(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None, w: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if not x.is_cuda:
-        return rms_norm_linear_ref(x, weight, eps, residual, w)
-    if _triton_linear(x, w):
-        return _triton("linear", "rms_norm_linear")(x, weight, eps, residual, w)
-    normed, h = rms_norm(x, weight, eps, residual)
-    return F.linear(normed, w), h
+    return _norm_then_linear(x, weight, eps, residual, w, silu_mul=False)
 
 
 def rms_norm_linear_silu_and_mul(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None, w_gate_up: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    return _norm_then_linear(x, weight, eps, residual, w_gate_up, silu_mul=True)
+
+
+def _norm_then_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None,
+    w: torch.Tensor,
+    silu_mul: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    name = "rms_norm_linear_silu_and_mul" if silu_mul else "rms_norm_linear"
     if not x.is_cuda:
-        return rms_norm_linear_silu_and_mul_ref(x, weight, eps, residual, w_gate_up)
-    if _triton_linear(x, w_gate_up):
-        return _triton("linear", "rms_norm_linear_silu_and_mul")(x, weight, eps, residual, w_gate_up)
-    normed, h = rms_norm(x, weight, eps, residual)
-    return silu_and_mul(F.linear(normed, w_gate_up)), h
+        ref = rms_norm_linear_silu_and_mul_ref if silu_mul else rms_norm_linear_ref
+        return ref(x, weight, eps, residual, w)
+    if _triton_linear(x, w):
+        return _triton("linear", name)(x, weight, eps, residual, w)
+    normed, h = rms_norm(x, weight, eps, residual)  # then cuBLAS: these rows are not Triton's
+    return (linear_silu_and_mul if silu_mul else linear)(normed, w), h
 
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
