@@ -6,11 +6,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import FastLaunch, cdiv, next_pow2
+from kernels.launch import FastLaunch, cdiv, next_pow2, wait_for_producer
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, y_ptr, inter, stride_x, stride_y, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, y_ptr, inter, stride_x, stride_y, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_for_producer(USE_PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -20,7 +21,7 @@ def _silu_and_mul_kernel(x_ptr, y_ptr, inter, stride_x, stride_y, BLOCK: tl.cons
     tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-_silu_and_mul_launch = FastLaunch(_silu_and_mul_kernel)
+_silu_and_mul_launch = FastLaunch(_silu_and_mul_kernel, pdl=True)
 
 
 def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import FastLaunch, cdiv, next_pow2
+from kernels.launch import FastLaunch, cdiv, next_pow2, wait_for_producer
 
 # The CPU interpreter computes bf16 dot products wrongly; upcast the operands there.
 _DOT_F32 = os.environ.get("TRITON_INTERPRET") == "1"
@@ -64,7 +64,9 @@ def _decode_kernel(
     SPLITS: tl.constexpr,
     DOT_F32: tl.constexpr,
     HAS_GATE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_producer(USE_PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -135,7 +137,9 @@ def _merge_kernel(
     D: tl.constexpr,
     SPLITS: tl.constexpr,
     HAS_GATE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_producer(USE_PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, SPLITS)
@@ -151,8 +155,8 @@ def _merge_kernel(
     tl.store(o_ptr + b * stride_ob + h * stride_oh + d, out.to(o_ptr.dtype.element_ty))
 
 
-_decode_launch = FastLaunch(_decode_kernel)
-_merge_launch = FastLaunch(_merge_kernel)
+_decode_launch = FastLaunch(_decode_kernel, pdl=True)
+_merge_launch = FastLaunch(_merge_kernel, pdl=True)
 
 
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, dim: int) -> None:

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import cdiv
+from kernels.launch import FastLaunch, cdiv, wait_for_producer
 
 
 @triton.jit
@@ -45,13 +45,18 @@ def _conv_decode_kernel(
     stride_slot,
     K: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_producer(USE_PDL)
     b = tl.program_id(0)
     ch = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = ch < C
     slot = tl.load(slots_ptr + b)
     y = conv_decode_channels(x_ptr + b * stride_x, w_ptr, state_ptr + slot * stride_slot, ch, mask, K=K)
     tl.store(y_ptr + b * stride_y + ch, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+_conv_decode_launch = FastLaunch(_conv_decode_kernel, pdl=True)
 
 
 def _check_state(conv_state: torch.Tensor, channels: int, kernel: int) -> None:
@@ -75,7 +80,8 @@ def causal_conv1d_decode_triton(
     if batch == 0:
         return y
     block = 1024
-    _conv_decode_kernel[(batch, cdiv(channels, block))](
+    _conv_decode_launch(
+        (batch, cdiv(channels, block)),
         x,
         weight,
         conv_state,
@@ -85,8 +91,8 @@ def causal_conv1d_decode_triton(
         x.stride(0),
         y.stride(0),
         conv_state.stride(0),
-        K=kernel,
-        BLOCK_C=block,
+        kernel,
+        block,
         num_warps=4,
     )
     return y

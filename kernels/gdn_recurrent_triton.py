@@ -1,9 +1,10 @@
-"""The Gated DeltaNet decode step for large batches: three kernels, the recurrence split over dv.
+"""The Gated DeltaNet decode step at every batch size: three kernels, the recurrence split over dv.
 
 At high batch the decode step is bound by the fp32 recurrent state it streams (2 MiB per request
-and layer at the 4B geometry, read once and written once). The fused step kernel gives one
-program a whole [dk, dv] state and several value heads, which leaves too few bytes in flight to
-reach the copy bandwidth. Here the step is:
+and layer at the 4B geometry, read once and written once); at low batch by how few programs share
+the work. The fused step kernel (``kernels/gdn_step_triton.py``) gives one program a whole
+[dk, dv] state and several value heads: too few bytes in flight for the copy bandwidth, and only
+Hk programs at batch 1. Here the step is:
 
 1. ``causal_conv1d_decode_triton``: conv + SiLU of every qkv channel once (the conv state is
    shifted exactly once per channel), stored in the model dtype as the unfused chain stores it;
@@ -30,7 +31,7 @@ import triton.language as tl
 from kernels.conv1d_triton import causal_conv1d_decode_triton
 from kernels.gdn_step import gdn_split_sizes
 from kernels.gdn_triton import l2_normalize, softplus_gate
-from kernels.launch import cdiv, next_pow2
+from kernels.launch import FastLaunch, cdiv, next_pow2, pdl_enabled, wait_for_producer
 from kernels.norms_triton import gated_rms_norm_triton
 
 log = structlog.get_logger(__name__)
@@ -83,7 +84,9 @@ def _recurrent_kernel(
     DV: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_producer(USE_PDL)
     vb = tl.program_id(0)
     h = tl.program_id(1)
     row = tl.program_id(2)
@@ -139,6 +142,9 @@ _tuned_kernel = triton.autotune(
     prune_configs_by={"early_config_prune": _prune_configs},
     **_BENCH,
 )(_recurrent_kernel)
+# Tuned launches go through the compiled handle: the autotuner's per-call dispatch costs eager
+# decode tens of µs a layer.
+_recurrent_launch = FastLaunch(_recurrent_kernel, pdl=True)
 
 # Tuning keys already benchmarked (on scratch rows), with the (BV, num_warps) each chose.
 TUNED_TILES: dict[tuple[object, ...], tuple[int, int]] = {}
@@ -194,16 +200,13 @@ def recurrent_decode(
     # Triton's autotuner keys on the named arguments plus every tensor argument's dtype: this key
     # must hit exactly when Triton's does, or Triton would benchmark on the live state.
     key = (bucket, key_heads, hv, dk, dv, *(t.dtype for t in args), state.device)
-    if key not in TUNED_TILES:
+    tile = TUNED_TILES.get(key)
+    if tile is None:
         if torch.cuda.is_current_stream_capturing():
-            _launch_fixed(args, scalars, bucket, shape, batch, _tile_for_capture(key))
-            return o
-        _tune_on_scratch(key, args, scalars, bucket, shape)
-
-    def grid(meta: dict[str, int]) -> tuple[int, int, int]:
-        return (cdiv(dv, meta["BV"]), hv, batch)
-
-    _tuned_kernel[grid](*args, *scalars, bucket, **shape)
+            tile = _tile_for_capture(key)
+        else:
+            tile = _tune_on_scratch(key, args, scalars, bucket, shape)
+    _launch_fixed(args, scalars, bucket, shape, batch, tile)
     return o
 
 
@@ -231,11 +234,12 @@ def _launch_fixed(
     batch: int,
     tile: tuple[int, int],
 ) -> None:
+    """One launch with a fixed (BV, num_warps) tile, through the compiled handle after its first."""
     bv = min(tile[0], next_pow2(shape["DV"]))
     grid = (cdiv(shape["DV"], bv), shape["HV"], batch)
     # The launch options exactly as the autotuner passes them, so a tuned tile's binary is reused.
-    options = triton.Config({"BV": bv}, num_warps=tile[1]).all_kwargs()
-    _recurrent_kernel[grid](*args, *scalars, bucket, **shape, **options)
+    options = triton.Config({}, num_warps=tile[1]).all_kwargs()
+    _recurrent_launch(grid, *args, *scalars, bucket, *shape.values(), bv, **options)
 
 
 def _tune_on_scratch(
@@ -244,9 +248,9 @@ def _tune_on_scratch(
     scalars: list[object],
     bucket: int,
     shape: dict[str, int],
-) -> None:
+) -> tuple[int, int]:
     """Autotunes on ``bucket`` fresh state rows: benchmarking runs the in-place step many times,
-    which must never touch live state."""
+    which must never touch live state. Returns the (BV, num_warps) tile it chose."""
     conv_out, a, b, A_log, dt_bias, state, _, _ = args
     rows = torch.arange(bucket, device=state.device) % conv_out.shape[0]
     scratch_state = torch.zeros((bucket, *state.shape[1:]), dtype=state.dtype, device=state.device)
@@ -264,7 +268,16 @@ def _tune_on_scratch(
         return (cdiv(shape["DV"], meta["BV"]), shape["HV"], bucket)
 
     _tuned_kernel[grid](
-        *scratch, scratch_state, slots, scratch_o, *scratch_scalars, scalars[-1], bucket, **shape
+        *scratch,
+        scratch_state,
+        slots,
+        scratch_o,
+        *scratch_scalars,
+        scalars[-1],
+        bucket,
+        **shape,
+        USE_PDL=pdl_enabled(),
+        launch_pdl=pdl_enabled(),
     )
     best = _tuned_kernel.best_config
     TUNED_TILES[key] = (best.kwargs["BV"], best.num_warps)
@@ -274,6 +287,7 @@ def _tune_on_scratch(
         heads=(shape["HK"], shape["HV"]),
         tile=TUNED_TILES[key],
     )
+    return TUNED_TILES[key]
 
 
 def gdn_decode_step_split(

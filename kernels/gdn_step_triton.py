@@ -1,14 +1,19 @@
-"""The Gated DeltaNet decode step (see ``kernels/gdn_step.py``) on CUDA, by batch size.
+"""The Gated DeltaNet decode step (see ``kernels/gdn_step.py``) on CUDA.
 
-Small batches run one fused kernel, one program per (batch row, key head): it convolves the key
-head's q and k channels once (so their conv state is shifted exactly once), then, for each of the
-Hv/Hk value heads that read them, convolves the v channels, computes the gates, runs the
-delta-rule step on the whole [dk, dv] fp32 state and writes the gated-RMSNorm output. One launch
-matters most at batch 1 in eager mode.
+Every batch size runs the split path (``kernels/gdn_recurrent_triton.py``): the conv, the
+recurrence split over dv, the gated norm. Its [dk, BV] state tiles give the step dv / BV times more
+programs than one per (row, key head), which is what a small batch lacks: in CUDA graphs on the
+H200 (`phalanx bench gdn`, 4B heads, 2026-11-29) the split path took 8.6 µs a layer at batch 1
+against 16.1 µs for the fused kernel below, and was faster at every batch up to 16; from 16 rows
+the state traffic dominates and the tiles keep enough of it in flight to approach the copy
+bandwidth. Graph and eager take the same path, so their tokens stay equal.
 
-From ``SPLIT_MIN_BATCH`` rows the state traffic dominates and the step runs as three kernels with
-the recurrence split over dv (``kernels/gdn_recurrent_triton.py``), which keeps enough state
-tiles in flight to approach the copy bandwidth."""
+The fused kernel, one program per (batch row, key head), convolves the key head's q and k
+channels once (so their conv state is shifted exactly once), then, for each of the Hv/Hk value
+heads that read them, convolves the v channels, computes the gates, runs the delta-rule step on
+the whole [dk, dv] fp32 state and writes the gated-RMSNorm output. It is one launch where the
+split path takes three (eager decode pays ~14 µs of host time a launch), and it stays as the
+baseline ``phalanx bench gdn`` measures the split path against."""
 
 from __future__ import annotations
 
@@ -22,10 +27,7 @@ from kernels.conv1d_triton import conv_decode_channels
 from kernels.gdn_recurrent_triton import check_step_states, gdn_decode_step_split
 from kernels.gdn_step import gdn_split_sizes
 from kernels.gdn_triton import delta_rule_update, l2_normalize, softplus_gate
-from kernels.launch import FastLaunch, next_pow2
-
-# Batch rows from which the split path runs (a graph bucket boundary).
-SPLIT_MIN_BATCH = 16
+from kernels.launch import FastLaunch, next_pow2, wait_for_producer
 
 
 @triton.jit
@@ -57,7 +59,9 @@ def _gdn_decode_step_kernel(
     K: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_producer(USE_PDL)
     row = tl.program_id(0)
     kh = tl.program_id(1)
     ratio: tl.constexpr = HV // HK
@@ -91,14 +95,12 @@ def _gdn_decode_step_kernel(
         tl.store(y_ptr + (row * HV + h) * DV + dv, y.to(y_ptr.dtype.element_ty), mask=v_mask)
 
 
-_fused_step_launch = FastLaunch(_gdn_decode_step_kernel)
+_fused_step_launch = FastLaunch(_gdn_decode_step_kernel, pdl=True)
 
 
 def gdn_decode_step_triton(mixed_qkv: torch.Tensor, *args: Any) -> torch.Tensor:
-    """``gdn_decode_step`` (signature in ``kernels/gdn_step.py``): the fused kernel below
-    ``SPLIT_MIN_BATCH`` rows, the split path from there."""
-    step = gdn_decode_step_split if mixed_qkv.shape[0] >= SPLIT_MIN_BATCH else gdn_decode_step_fused
-    return step(mixed_qkv, *args)
+    """``gdn_decode_step`` (signature in ``kernels/gdn_step.py``): the split path."""
+    return gdn_decode_step_split(mixed_qkv, *args)
 
 
 def gdn_decode_step_fused(

@@ -23,10 +23,11 @@ Batch-1 decode is bound by reading the weights once, so the kernels are built fo
 
 Triton or cuBLAS, per shape: right after a tuning key is tuned (eagerly), its tuned kernel races
 cuBLAS (with the separate norm and SiLU kernels where the Triton op fuses them) on the same inputs,
-each timed inside a small CUDA graph with an L2 flush before every call, as a decode graph runs
-them; from then on the key answers from the faster one (logged once as "decode linear backend",
-with the tuned config; ``PHALANX_LINEAR=triton`` skips the race). On the H200 the GEMV beat
-cuBLAS at M = 1 (the batch-1 graph step went from 3.65 to 3.21 ms), while the batch-64 step came
+each timed inside a small CUDA graph with an L2 flush (a read) before every call, as a decode graph
+runs them, the flush's own time taken off. cuBLAS must beat Triton by 2 %, plus the ~1 µs a Triton
+kernel gains under PDL in a real step. From then on the key answers from the faster one (logged
+once as "decode linear backend", with the tuned config; ``PHALANX_LINEAR=triton`` skips the race).
+On the H200 the GEMV beat cuBLAS at M = 1 (the batch-1 graph step went from 3.65 to 3.21 ms), while the batch-64 step came
 out about 0.4 ms slower than the cuBLAS run plus the GDN kernel's saving predicted: shapes where
 cuBLAS wins are what the race catches.
 
@@ -61,7 +62,7 @@ import triton
 import triton.language as tl
 import triton.testing
 
-from kernels.launch import FastLaunch, cdiv, next_pow2
+from kernels.launch import FastLaunch, cdiv, next_pow2, pdl_enabled, wait_for_producer
 
 log = structlog.get_logger(__name__)
 
@@ -75,11 +76,21 @@ _NORM_BLOCK_MAX = 8192  # the GEMV's norm prologue reads up to this many element
 def _gemv_kernel(
     x_ptr, w_ptr, y_ptr, res_ptr, nw_ptr, h_ptr, N, K, inter, stride_wn, eps,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU_MUL: tl.constexpr,
-    NORM: tl.constexpr, NORM_BLOCK: tl.constexpr,
+    NORM: tl.constexpr, NORM_BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     cols = tl.arange(0, BLOCK_K)
+    # The first weight tile is requested before waiting for the previous kernel (under PDL it is
+    # still running): the weights never change, and the tile arrives while the wait and the norm
+    # prologue go on.
+    first_mask = row_mask[:, None] & (cols < K)[None, :]
+    w_rows = w_ptr + rows[:, None] * stride_wn
+    w = tl.load(w_rows + cols[None, :], mask=first_mask, other=0.0)
+    w_up = w
+    if SILU_MUL:
+        w_up = tl.load(w_rows + inter * stride_wn + cols[None, :], mask=first_mask, other=0.0)
+    wait_for_producer(USE_PDL)
     inv = 1.0
     if NORM:
         # Every program needs the row's norm before its first product. The row is read in as few,
@@ -92,26 +103,33 @@ def _gemv_kernel(
                 tl.store(h_ptr + k, h, mask=k < K)
             ss += h.to(tl.float32) * h.to(tl.float32)
         inv = tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    x = _gemv_input(x_ptr, res_ptr, nw_ptr, cols, cols < K, inv, NORM)
+    acc = w.to(tl.float32) * x[None, :]
+    acc_up = acc
+    if SILU_MUL:
+        acc_up = w_up.to(tl.float32) * x[None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         k = k0 + cols
         k_mask = k < K
-        if NORM:
-            x = _normed(_residual_sum(x_ptr + k, res_ptr + k, k_mask), inv, nw_ptr + k, k_mask)
-        else:
-            x = tl.load(x_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
+        x = _gemv_input(x_ptr, res_ptr, nw_ptr, k, k_mask, inv, NORM)
         tile_mask = row_mask[:, None] & k_mask[None, :]
-        w = tl.load(w_ptr + rows[:, None] * stride_wn + k[None, :], mask=tile_mask, other=0.0)
+        w = tl.load(w_rows + k[None, :], mask=tile_mask, other=0.0)
         acc += w.to(tl.float32) * x[None, :]
         if SILU_MUL:
-            up_rows = rows + inter
-            w_up = tl.load(w_ptr + up_rows[:, None] * stride_wn + k[None, :], mask=tile_mask, other=0.0)
+            w_up = tl.load(w_rows + inter * stride_wn + k[None, :], mask=tile_mask, other=0.0)
             acc_up += w_up.to(tl.float32) * x[None, :]
     out = tl.sum(acc, axis=1)
     if SILU_MUL:
         out = out * tl.sigmoid(out) * tl.sum(acc_up, axis=1)
     tl.store(y_ptr + rows, out.to(y_ptr.dtype.element_ty), mask=row_mask)
+
+
+@triton.jit
+def _gemv_input(x_ptr, res_ptr, nw_ptr, k, k_mask, inv, NORM: tl.constexpr):
+    """One K block of the GEMV's input in fp32: x itself, or the pre-normed x + residual."""
+    if NORM:
+        return _normed(_residual_sum(x_ptr + k, res_ptr + k, k_mask), inv, nw_ptr + k, k_mask)
+    return tl.load(x_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -133,8 +151,9 @@ def _normed(h, inv, nw_ptrs, mask):
 def _skinny_gemm_kernel(
     x_ptr, w_ptr, y_ptr, M, N, K, inter, stride_xm, stride_wn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU_MUL: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_producer(USE_PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     ms = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -262,12 +281,12 @@ def _run(
                 f"Triton linear {kind} ({shape}) first met inside CUDA-graph capture: "
                 "run one eager step of this batch bucket before capture"
             )
-        autotuned[grid_of](*args, **constexprs)
+        autotuned[grid_of](*args, **constexprs, launch_pdl=constexprs["USE_PDL"])
         _best_configs[key] = autotuned.best_config
         return
     meta = {**constexprs, **best.kwargs}
     constexpr_values = [meta[name] for name in kernel.arg_names[len(args) :]]
-    options = {"num_warps": best.num_warps, "num_stages": best.num_stages}
+    options = {"num_warps": best.num_warps, "num_stages": best.num_stages, "launch_pdl": meta["USE_PDL"]}
     _prepared[key] = (_fast_launch(kind), meta, constexpr_values, options)
     _fast_launch(kind)(grid_of(meta), *args, *constexpr_values, **options)
 
@@ -324,7 +343,7 @@ def _launch(
     y = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     if m == 0 or n_out == 0:
         return y, x if norm is None else norm.h
-    constexprs: dict[str, Any] = {"SILU_MUL": silu_mul}
+    constexprs: dict[str, Any] = {"SILU_MUL": silu_mul, "USE_PDL": pdl_enabled()}
     if m == 1:
         # Without a norm the norm's pointers are never read: x stands in for each of them.
         res, nw, h, eps = (x, x, x, 0.0) if norm is None else (norm.residual, norm.weight, norm.h, norm.eps)
@@ -372,9 +391,10 @@ def _measure_against_cublas(
     tuning, so graph capture only reads the answer). ``PHALANX_LINEAR=triton`` skips the race."""
     if os.environ.get("PHALANX_LINEAR", "auto").strip().lower() == "triton":
         return False
-    triton_us = _graph_us(triton_run)
-    cublas_us = _graph_us(cublas_run)
-    faster = cublas_us < _CUBLAS_MARGIN * triton_us
+    triton_us = _op_us(triton_run)
+    cublas_us = _op_us(cublas_run)
+    pdl_credit_us = _PDL_CREDIT_US if pdl_enabled() else 0.0
+    faster = cublas_us + pdl_credit_us < _CUBLAS_MARGIN * triton_us
     shape = dict(zip(_KEY_FIELDS, key[1:], strict=True))
     best = _best_configs.get(key)
     log.info(
@@ -383,6 +403,7 @@ def _measure_against_cublas(
         **{name: str(value) for name, value in shape.items()},
         triton_us=round(triton_us, 1),
         cublas_us=round(cublas_us, 1),
+        pdl_credit_us=pdl_credit_us,
         picked="cublas" if faster else "triton",
         config=None if best is None else f"{best.kwargs} warps={best.num_warps} stages={best.num_stages}",
     )
@@ -392,6 +413,10 @@ def _measure_against_cublas(
 # cuBLAS must win by this much: a near tie goes to Triton, one launch where cuBLAS takes two or
 # three when the op fuses a norm or SiLU (eager decode pays per launch). Near ties flipped from run to run.
 _CUBLAS_MARGIN = 0.98
+# What a Triton kernel gains in a decode graph from starting under the previous kernel's tail (PDL),
+# which the race's flushed, one-at-a-time timing cannot see and a cuBLAS launch does not get: on
+# the H200, PDL took 0.2 ms off a 4B batch-1 graph step of ~190 kernels, about 1 µs each.
+_PDL_CREDIT_US = 1.0
 _RACE_CALLS = 4  # op calls per timed graph, each after an L2 flush
 _RACE_REPLAYS = 7
 _L2_FLUSH_BYTES = 128 << 20  # over twice the H200's 60 MB L2
@@ -399,13 +424,23 @@ _L2_FLUSH_BYTES = 128 << 20  # over twice the H200's 60 MB L2
 
 @functools.cache
 def _l2_flush_buffer(device: int) -> torch.Tensor:
-    return torch.empty(_L2_FLUSH_BYTES, dtype=torch.uint8, device=f"cuda:{device}")
+    return torch.ones(_L2_FLUSH_BYTES // 8, dtype=torch.int64, device=f"cuda:{device}")
+
+
+def _op_us(run: Callable[[], object]) -> float:
+    """µs of one call of ``run`` from HBM: ``_graph_us`` less what the L2 flush alone adds to each
+    call (~40 µs), so the race's margin compares the ops themselves."""
+    return _graph_us(run) - _flush_us(torch.cuda.current_device())
+
+
+@functools.cache
+def _flush_us(device: int) -> float:
+    return _graph_us(lambda: None)
 
 
 def _graph_us(run: Callable[[], object]) -> float:
-    """Median µs of one replay of a CUDA graph of (L2 flush, ``run``) x _RACE_CALLS: how the op runs
-    in a decode graph, where launches cost ~1 µs and the weights come from HBM. The flush is the
-    same for both sides of the race, so it cancels out of the comparison."""
+    """Median µs of one replay of a CUDA graph of (L2 flush, ``run``) x _RACE_CALLS, divided by the
+    calls: how the op runs in a decode graph, where launches cost ~1 µs and the weights come from HBM."""
     flush = _l2_flush_buffer(torch.cuda.current_device())
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -415,7 +450,9 @@ def _graph_us(run: Callable[[], object]) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=side):
         for _ in range(_RACE_CALLS):
-            flush.zero_()
+            # Read, not written: a written flush leaves L2 full of dirty lines, whose write-back
+            # then slows the op's weight reads (a decode graph's kernels leave almost none).
+            flush.sum()
             run()
     times = []
     for _ in range(_RACE_REPLAYS):

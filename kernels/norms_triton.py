@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import FastLaunch, cdiv, next_pow2
+from kernels.launch import FastLaunch, cdiv, next_pow2, wait_for_producer
 
 
 @triton.jit
@@ -25,7 +25,9 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_producer(USE_PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
@@ -42,7 +44,7 @@ def _rms_norm_kernel(
     tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-_rms_norm_launch = FastLaunch(_rms_norm_kernel)
+_rms_norm_launch = FastLaunch(_rms_norm_kernel, pdl=True)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -99,7 +101,9 @@ def _gated_rms_norm_kernel(
     eps,
     ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_producer(USE_PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     n, h = rows // HEADS, rows % HEADS
     cols = tl.arange(0, BLOCK_D)
@@ -116,7 +120,7 @@ def _gated_rms_norm_kernel(
     tl.store(y_ptr + rows[:, None] * D + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-_gated_rms_norm_launch = FastLaunch(_gated_rms_norm_kernel)
+_gated_rms_norm_launch = FastLaunch(_gated_rms_norm_kernel, pdl=True)
 
 
 def gated_rms_norm_triton(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

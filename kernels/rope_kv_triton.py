@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import FastLaunch, next_pow2
+from kernels.launch import FastLaunch, next_pow2, wait_for_producer
 
 
 @triton.jit
@@ -59,7 +59,9 @@ def _norm_rope_write_kv_kernel(
     H,
     D: tl.constexpr,
     ROT: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_producer(USE_PDL)
     t = tl.program_id(0)
     head = tl.program_id(1)
     cs_row = cs_ptr + tl.load(pos_ptr + t) * stride_cs
@@ -84,7 +86,7 @@ def _norm_rope_write_kv_kernel(
         tl.store(vc_ptr + dst + d, v.to(vc_ptr.dtype.element_ty))
 
 
-_norm_rope_write_kv_launch = FastLaunch(_norm_rope_write_kv_kernel)
+_norm_rope_write_kv_launch = FastLaunch(_norm_rope_write_kv_kernel, pdl=True)
 
 
 def norm_rope_write_kv_triton(

@@ -90,6 +90,9 @@ def test_two_gloo_ranks_print_the_table_and_match_tp1_logits(
                 assert f"| tiny | {tp} | {mode} | {batch} | " in printed, f"no row for tp {tp} {mode} {batch}"
     assert "TP 2 / TP 1 step time at batch 1 (eager): " in printed
     report = json.loads(out.read_text())
+    kernels = bench_decode.kernel_settings()  # the ranks inherit this process's PHALANX_* settings
+    assert kernels.startswith("PDL off, linears ") and report["kernels"] == kernels
+    assert f", cpu, {kernels}" in printed
     assert {(r["tp"], r["mode"], r["batch"]) for r in report["rows"]} == {
         (tp, mode, batch) for tp in (1, 2) for mode in ("eager", "static-eager") for batch in (1, 3)
     }

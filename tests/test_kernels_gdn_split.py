@@ -1,4 +1,4 @@
-"""The high-batch GDN decode step (conv, split recurrence, gated norm) and the batch dispatch of
+"""The GDN decode step's split path (conv, split recurrence, gated norm) and the dispatch of
 ``gdn_decode_step_triton``, against ``gdn_decode_step_ref`` on CPU under ``TRITON_INTERPRET=1``.
 
 As in ``test_kernels_triton.py`` the interpreted checks run in one child process (this file run
@@ -117,16 +117,8 @@ def check_split_bf16_above_threshold() -> dict[str, float]:
     return errors
 
 
-def check_dispatch_below_threshold() -> dict[str, float]:
-    from kernels.gdn_step_triton import SPLIT_MIN_BATCH
-
-    return _dispatched(SPLIT_MIN_BATCH - 1, torch.float32, "fused")
-
-
-def check_dispatch_at_threshold() -> dict[str, float]:
-    from kernels.gdn_step_triton import SPLIT_MIN_BATCH
-
-    return _dispatched(SPLIT_MIN_BATCH + 1, torch.float32, "split")
+def check_dispatch_takes_split_at_batch_1() -> dict[str, float]:
+    return _dispatched(1, torch.float32, "split")
 
 
 def check_tuning_bucket_is_the_graph_bucket_capped() -> dict[str, float]:

@@ -154,7 +154,7 @@ def test_a_key_where_cublas_measured_faster_takes_cublas(monkeypatch: pytest.Mon
     from kernels import linear_triton
 
     timings = iter([2.0, 1.0])  # Triton, then cuBLAS: cuBLAS is faster
-    monkeypatch.setattr(linear_triton, "_graph_us", lambda run: next(timings))
+    monkeypatch.setattr(linear_triton, "_op_us", lambda run: next(timings))
     key = ("gemm", 10, 16, 16, False, False, torch.float32)
     assert linear_triton._measure_against_cublas(key, lambda: None, lambda: None) is True
     monkeypatch.setenv("PHALANX_LINEAR", "triton")

@@ -234,7 +234,7 @@ def decode_rows(model, batches: list[int], args: argparse.Namespace, device: tor
         torch.cuda.synchronize()
         step_ms = statistics.median(cuda_time_ms(run, args.steps))
         if args.profile:
-            _print_profile(run, batch)
+            print_profile(run, f"batch {batch}")
         rows.append(
             Row(batch, step_ms, batch * 1e3 / step_ms, weight_bytes / (step_ms * 1e-3) / COPY_BANDWIDTH)
         )
@@ -243,15 +243,23 @@ def decode_rows(model, batches: list[int], args: argparse.Namespace, device: tor
     return rows
 
 
-def _print_profile(run: Callable[[], object], batch: int) -> None:
+def kernel_settings() -> str:
+    """The kernel switches a figure depends on (``PHALANX_PDL``, ``PHALANX_LINEAR``), printed with it."""
+    from kernels.launch import pdl_enabled
+    from kernels.ops import LINEAR_BACKEND
+
+    return f"PDL {'on' if pdl_enabled() else 'off'}, linears {LINEAR_BACKEND}"
+
+
+def print_profile(run: Callable[[], object], what: str) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
             run()
         torch.cuda.synchronize()
-    print(f"profile, batch {batch}, 3 steps:")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+    print(f"profile, {what}, 3 steps:")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
 
 
 def graph_decode_rows(
@@ -288,7 +296,7 @@ def graph_decode_rows(
         torch.cuda.synchronize()
         step_ms = statistics.median(cuda_time_ms(run, args.steps))
         if args.profile:
-            _print_profile(run, batch)
+            print_profile(run, f"batch {batch}")
         rows.append(
             Row(batch, step_ms, batch * 1e3 / step_ms, weight_bytes / (step_ms * 1e-3) / COPY_BANDWIDTH)
         )
@@ -382,7 +390,8 @@ def run(args: argparse.Namespace) -> int:
     model = build_random_model(args.geometry, device, seed=args.seed)
     print(
         f"built {args.geometry} with random bf16 weights in {time.perf_counter() - started:.1f} s; "
-        f"{weight_bytes_per_step(model) / 1e9:.2f} GB read per decode step; context {args.context}"
+        f"{weight_bytes_per_step(model) / 1e9:.2f} GB read per decode step; context {args.context}; "
+        f"{kernel_settings()}"
     )
     rows = decode_rows(model, batches, args, device)
     prefill = prefill_ms(model, args.prefill_len, device)

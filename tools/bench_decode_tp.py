@@ -38,6 +38,8 @@ from tools.bench_decode import (
     _random_tensor,
     config_dict,
     cuda_time_ms,
+    kernel_settings,
+    print_profile,
     weight_bytes_per_step,
 )
 
@@ -178,6 +180,7 @@ class BenchSettings:
     cuda_graph: bool
     seed: int
     device: str  # "cuda" or "cpu"
+    profile: bool = False  # rank 0 prints the top GPU kernels of three steps per row (CUDA)
 
 
 def _time_ms(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
@@ -232,7 +235,18 @@ class RankRun:
         }
         # Printed as measured, so a run cut short still leaves its figures.
         self.say(f"measured: {_row_line(self.settings.geometry, row)}")
+        if self.settings.profile and self.device.type == "cuda":
+            self._profile(run, f"tp {self.world_size} {mode}, batch {batch}")
         return row
+
+    def _profile(self, run: Callable[[], object], what: str) -> None:
+        """Every rank runs the same three steps (they meet in collectives); rank 0 profiles them."""
+        if self.rank != 0:
+            for _ in range(3):
+                run()
+            torch.cuda.synchronize(self.device)
+            return
+        print_profile(run, what)
 
 
 def bench_rank(rank: int, world_size: int, init_method: str, settings: BenchSettings, out_path: str) -> None:
@@ -275,6 +289,7 @@ def bench_rank(rank: int, world_size: int, init_method: str, settings: BenchSett
             "build_s": built_s,
             "weight_bytes_per_rank": run.weight_bytes,
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "kernels": kernel_settings(),
             "first_logits": first_logits,
             "first_batch": settings.batches[0],
         }
@@ -349,6 +364,7 @@ def run_tp(args: argparse.Namespace) -> int:
         cuda_graph=args.cuda_graph,
         seed=args.seed,
         device=args.device,
+        profile=args.profile,
     )
     results: dict[int, dict] = {}
     with tempfile.TemporaryDirectory(prefix="phalanx-bench-tp-") as scratch:
@@ -386,6 +402,7 @@ def summarize(settings: BenchSettings, results: dict[int, dict]) -> dict[str, ob
         "geometry": settings.geometry,
         "device": settings.device,
         "device_name": any_result["device_name"],
+        "kernels": any_result["kernels"],
         "context": settings.context,
         "steps": settings.steps,
         "rows": rows,
@@ -429,7 +446,7 @@ def _ratio(value: float | None, suffix: str = "") -> str:
 def format_report(report: dict[str, object]) -> str:
     lines = [
         f"phalanx decode, {report['geometry']} geometry, random weights, context {report['context']}, "
-        f"median of {report['steps']} steps, {report['device_name']}",
+        f"median of {report['steps']} steps, {report['device_name']}, {report['kernels']}",
         "| geometry | tp | mode | batch | step ms | tokens/s | weight bytes per GPU / step time "
         "(of 4.3 TB/s) | step vs TP 1 | speedup vs eager |",
         "|---|---|---|---|---|---|---|---|---|",

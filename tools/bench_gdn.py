@@ -158,11 +158,10 @@ def time_path(batch: int, path: str, args: argparse.Namespace, device: torch.dev
 
 def _tile(batch: int, path: str, args: argparse.Namespace) -> str:
     from kernels.gdn_recurrent_triton import TUNED_TILES, tuning_bucket
-    from kernels.gdn_step_triton import SPLIT_MIN_BATCH
 
     if path == "copy":
         return "torch copy_ of the state"
-    if path == "fused" or (path == "dispatch" and batch < SPLIT_MIN_BATCH):
+    if path == "fused":
         return "one program per (row, key head), 8 warps"
     heads = (args.key_heads, args.value_heads, args.head_dim, args.head_dim)
     tiles = {
