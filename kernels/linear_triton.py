@@ -22,14 +22,11 @@ Batch-1 decode is bound by reading the weights once, so the kernels are built fo
   kernel and then the GEMM (see ``_pre_normed``).
 
 Triton or cuBLAS, per shape: right after a tuning key is tuned (eagerly), its tuned kernel races
-cuBLAS (with the separate norm and SiLU kernels where the Triton op fuses them) on the same inputs,
-each timed inside a small CUDA graph with an L2 flush (a read) before every call, as a decode graph
-runs them, the flush's own time taken off. cuBLAS must beat Triton by 2 %, plus the ~1 µs a Triton
-kernel gains under PDL in a real step. From then on the key answers from the faster one (logged
-once as "decode linear backend", with the tuned config; ``PHALANX_LINEAR=triton`` skips the race).
-On the H200 the GEMV beat cuBLAS at M = 1 (the batch-1 graph step went from 3.65 to 3.21 ms), while the batch-64 step came
-out about 0.4 ms slower than the cuBLAS run plus the GDN kernel's saving predicted: shapes where
-cuBLAS wins are what the race catches.
+cuBLAS (with the separate norm and SiLU kernels where the Triton op fuses them) on the same inputs
+(``kernels/linear_race.py``); from then on the key answers from the faster one
+(``PHALANX_LINEAR=triton`` skips the race). On the H200 the GEMV beat cuBLAS at M = 1 (the batch-1
+graph step went from 3.65 to 3.21 ms), while at M = 64 cuBLAS wins the N = 2560 projections, where
+the skinny GEMM has only N / BLOCK_N programs: shapes where cuBLAS wins are what the race catches.
 
 Split-K is left out on purpose: combining partial sums costs a zeroed fp32 buffer (memset) plus a
 convert launch, more than it saves inside a CUDA graph where each launch is ~1-2 µs.
@@ -50,7 +47,6 @@ from __future__ import annotations
 
 import functools
 import os
-import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -63,6 +59,7 @@ import triton.language as tl
 import triton.testing
 
 from kernels.launch import FastLaunch, cdiv, next_pow2, pdl_enabled, wait_for_producer
+from kernels.linear_race import cublas_beats_triton
 
 log = structlog.get_logger(__name__)
 
@@ -360,7 +357,12 @@ def _launch(
     _run(kind, key, grid_of, args, constexprs)
     if decided is None and not _INTERPRET and not torch.cuda.is_current_stream_capturing():
         run = functools.partial(_run, kind, key, grid_of, args, constexprs)
-        _cublas_faster[key] = _measure_against_cublas(key, run, lambda: _cublas(x, w, silu_mul, norm))
+        shape = {name: str(value) for name, value in zip(_KEY_FIELDS, key[1:], strict=True)}
+        best = _best_configs.get(key)
+        config = None if best is None else f"{best.kwargs} warps={best.num_warps} stages={best.num_stages}"
+        _cublas_faster[key] = cublas_beats_triton(
+            key[0], shape, config, run, lambda: _cublas(x, w, silu_mul, norm)
+        )
         if _cublas_faster[key]:  # from its first call on, a key answers from one backend only
             return _cublas(x, w, silu_mul, norm)
     return y, h
@@ -382,88 +384,6 @@ def _cublas(
 
         out = silu_and_mul_triton(out)
     return out, h
-
-
-def _measure_against_cublas(
-    key: tuple[object, ...], triton_run: Callable[[], None], cublas_run: Callable[[], object]
-) -> bool:
-    """Whether cuBLAS beats the tuned Triton kernel on this key (measured once, eagerly, right after
-    tuning, so graph capture only reads the answer). ``PHALANX_LINEAR=triton`` skips the race."""
-    if os.environ.get("PHALANX_LINEAR", "auto").strip().lower() == "triton":
-        return False
-    triton_us = _op_us(triton_run)
-    cublas_us = _op_us(cublas_run)
-    pdl_credit_us = _PDL_CREDIT_US if pdl_enabled() else 0.0
-    faster = cublas_us + pdl_credit_us < _CUBLAS_MARGIN * triton_us
-    shape = dict(zip(_KEY_FIELDS, key[1:], strict=True))
-    best = _best_configs.get(key)
-    log.info(
-        "decode linear backend",
-        kernel=key[0],
-        **{name: str(value) for name, value in shape.items()},
-        triton_us=round(triton_us, 1),
-        cublas_us=round(cublas_us, 1),
-        pdl_credit_us=pdl_credit_us,
-        picked="cublas" if faster else "triton",
-        config=None if best is None else f"{best.kwargs} warps={best.num_warps} stages={best.num_stages}",
-    )
-    return faster
-
-
-# cuBLAS must win by this much: a near tie goes to Triton, one launch where cuBLAS takes two or
-# three when the op fuses a norm or SiLU (eager decode pays per launch). Near ties flipped from run to run.
-_CUBLAS_MARGIN = 0.98
-# What a Triton kernel gains in a decode graph from starting under the previous kernel's tail (PDL),
-# which the race's flushed, one-at-a-time timing cannot see and a cuBLAS launch does not get: on
-# the H200, PDL took 0.2 ms off a 4B batch-1 graph step of ~190 kernels, about 1 µs each.
-_PDL_CREDIT_US = 1.0
-_RACE_CALLS = 4  # op calls per timed graph, each after an L2 flush
-_RACE_REPLAYS = 7
-_L2_FLUSH_BYTES = 128 << 20  # over twice the H200's 60 MB L2
-
-
-@functools.cache
-def _l2_flush_buffer(device: int) -> torch.Tensor:
-    return torch.ones(_L2_FLUSH_BYTES // 8, dtype=torch.int64, device=f"cuda:{device}")
-
-
-def _op_us(run: Callable[[], object]) -> float:
-    """µs of one call of ``run`` from HBM: ``_graph_us`` less what the L2 flush alone adds to each
-    call (~40 µs), so the race's margin compares the ops themselves."""
-    return _graph_us(run) - _flush_us(torch.cuda.current_device())
-
-
-@functools.cache
-def _flush_us(device: int) -> float:
-    return _graph_us(lambda: None)
-
-
-def _graph_us(run: Callable[[], object]) -> float:
-    """Median µs of one replay of a CUDA graph of (L2 flush, ``run``) x _RACE_CALLS, divided by the
-    calls: how the op runs in a decode graph, where launches cost ~1 µs and the weights come from HBM."""
-    flush = _l2_flush_buffer(torch.cuda.current_device())
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # cuBLAS workspaces and first launches outside the capture
-        run()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=side):
-        for _ in range(_RACE_CALLS):
-            # Read, not written: a written flush leaves L2 full of dirty lines, whose write-back
-            # then slows the op's weight reads (a decode graph's kernels leave almost none).
-            flush.sum()
-            run()
-    times = []
-    for _ in range(_RACE_REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / _RACE_CALLS)
-    del graph
-    return statistics.median(times)
 
 
 def linear_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

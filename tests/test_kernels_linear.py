@@ -151,14 +151,15 @@ if __name__ == "__main__":
 def test_a_key_where_cublas_measured_faster_takes_cublas(monkeypatch: pytest.MonkeyPatch) -> None:
     """The race between the tuned Triton kernel and cuBLAS (timings faked: it runs on a GPU) and
     the dispatch that follows its answer."""
-    from kernels import linear_triton
+    from kernels import linear_race, linear_triton
 
     timings = iter([2.0, 1.0])  # Triton, then cuBLAS: cuBLAS is faster
-    monkeypatch.setattr(linear_triton, "_op_us", lambda run: next(timings))
+    monkeypatch.setattr(linear_race, "_op_us", lambda run: next(timings))
     key = ("gemm", 10, 16, 16, False, False, torch.float32)
-    assert linear_triton._measure_against_cublas(key, lambda: None, lambda: None) is True
+    shape = {"N": "10", "K": "16"}
+    assert linear_race.cublas_beats_triton("gemm", shape, None, lambda: None, lambda: None) is True
     monkeypatch.setenv("PHALANX_LINEAR", "triton")
-    assert linear_triton._measure_against_cublas(key, lambda: None, lambda: None) is False
+    assert linear_race.cublas_beats_triton("gemm", shape, None, lambda: None, lambda: None) is False
 
     monkeypatch.setitem(linear_triton._cublas_faster, key, True)
     x, w = torch.randn(3, 16), torch.randn(10, 16)
