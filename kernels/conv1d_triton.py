@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import FastLaunch, cdiv, wait_for_producer
+from kernels.launch import FastLaunch, cdiv, next_pow2, wait_for_producer
 
 
 @triton.jit
@@ -44,18 +44,40 @@ def _conv_decode_kernel(
     stride_y,
     stride_slot,
     K: tl.constexpr,
+    TAPS: tl.constexpr,
     BLOCK_C: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
+    """One decode step of BLOCK_C channels of one row, as [BLOCK_C, TAPS] tiles (TAPS = K rounded
+    up to a power of two): the state, its copy shifted by one tap, the weights and x are all loaded
+    at once, so the step costs one round trip to memory and one barrier, not one per tap."""
     wait_for_producer(USE_PDL)
     b = tl.program_id(0)
     ch = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = ch < C
+    tap = tl.arange(0, TAPS)
     slot = tl.load(slots_ptr + b)
-    y = conv_decode_channels(x_ptr + b * stride_x, w_ptr, state_ptr + slot * stride_slot, ch, mask, K=K)
+    state_rows = state_ptr + slot * stride_slot + ch[:, None] * (K - 1)
+    # window[:, j] is input j of the conv: the K - 1 stored inputs (oldest first), then x.
+    stored = mask[:, None] & (tap < K - 1)[None, :]
+    old = tl.load(state_rows + tap[None, :], mask=stored, other=0.0)
+    x = tl.load(x_ptr + b * stride_x + ch, mask=mask, other=0.0)
+    window = tl.where((tap == K - 1)[None, :], x[:, None], old)
+    # The new state is the window shifted left by one tap: stored columns 1.., then x.
+    later = tl.load(state_rows + 1 + tap[None, :], mask=mask[:, None] & (tap < K - 2)[None, :], other=0.0)
+    shifted = tl.where((tap == K - 2)[None, :], x[:, None], later)
+    w = tl.load(w_ptr + ch[:, None] * K + tap[None, :], mask=mask[:, None] & (tap < K)[None, :], other=0.0)
+    acc = tl.sum(window.to(tl.float32) * w.to(tl.float32), axis=1)
+    # Another thread may hold the old value of an element this thread overwrites: all reads first.
+    tl.debug_barrier()
+    tl.store(state_rows + tap[None, :], shifted.to(state_ptr.dtype.element_ty), mask=stored)
+    y = acc * tl.sigmoid(acc)
     tl.store(y_ptr + b * stride_y + ch, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+# Channels per decode program: 32 programs a row at the 4B geometry's 8192 channels, so batch 1
+# spreads over 32 SMs and batch 64 over 2048 programs.
+_DECODE_BLOCK_C = 256
 _conv_decode_launch = FastLaunch(_conv_decode_kernel, pdl=True)
 
 
@@ -79,7 +101,7 @@ def causal_conv1d_decode_triton(
     y = torch.empty((batch, channels), dtype=x.dtype, device=x.device)
     if batch == 0:
         return y
-    block = 1024
+    block = min(_DECODE_BLOCK_C, next_pow2(channels))
     _conv_decode_launch(
         (batch, cdiv(channels, block)),
         x,
@@ -92,6 +114,7 @@ def causal_conv1d_decode_triton(
         y.stride(0),
         conv_state.stride(0),
         kernel,
+        next_pow2(kernel),
         block,
         num_warps=4,
     )

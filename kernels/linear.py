@@ -18,6 +18,16 @@ from kernels.activation import silu_and_mul_ref
 from kernels.norms import rms_norm_ref
 
 
+def check_out(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """A linear's ``out`` buffer must be exactly the [M, N] result it receives."""
+    shape = (x.shape[0], w.shape[0])
+    if out.shape != shape or out.dtype != x.dtype or out.device != x.device or not out.is_contiguous():
+        raise ValueError(
+            f"linear: out {tuple(out.shape)} {out.dtype} on {out.device} is not a contiguous "
+            f"{shape} {x.dtype} on {x.device}"
+        )
+
+
 def linear_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [M, K], w [N, K] -> [M, N] in x.dtype."""
     return F.linear(x, w)

@@ -59,7 +59,15 @@ import triton.language as tl
 import triton.testing
 
 from kernels.launch import FastLaunch, cdiv, next_pow2, pdl_enabled, wait_for_producer
+from kernels.linear import check_out
 from kernels.linear_race import cublas_beats_triton
+from kernels.linear_split_k import (
+    no_workspace,
+    prune_split_configs,
+    split_k_allowed,
+    split_k_workspace,
+    sum_split_partials,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -146,9 +154,9 @@ def _normed(h, inv, nw_ptrs, mask):
 
 @triton.jit
 def _skinny_gemm_kernel(
-    x_ptr, w_ptr, y_ptr, M, N, K, inter, stride_xm, stride_wn, stride_ym,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU_MUL: tl.constexpr,
-    DOT_F32: tl.constexpr, USE_PDL: tl.constexpr,
+    x_ptr, w_ptr, y_ptr, partial_ptr, arrivals_ptr, M, N, K, inter, stride_xm, stride_wn, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    SILU_MUL: tl.constexpr, DOT_F32: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     wait_for_producer(USE_PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -156,11 +164,17 @@ def _skinny_gemm_kernel(
     ms = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = ms < M
     cols = tl.arange(0, BLOCK_K)
+    k_start = 0
+    k_end = K
+    if SPLIT_K > 1:  # this program's share of K, whole BLOCK_K steps
+        k_share = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+        k_start = tl.program_id(2) * k_share
+        k_end = tl.minimum(k_start + k_share, K)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # y.T tile
     acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_start, k_end, BLOCK_K):
         k = k0 + cols
-        k_mask = k < K
+        k_mask = k < k_end
         x = tl.load(
             x_ptr + ms[:, None] * stride_xm + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0
         )
@@ -177,14 +191,22 @@ def _skinny_gemm_kernel(
             if DOT_F32:
                 w_up = w_up.to(tl.float32)
             acc_up += tl.dot(w_up, x_t)
-    if SILU_MUL:
-        acc = acc * tl.sigmoid(acc) * acc_up
+    out_mask = row_mask[:, None] & m_mask[None, :]
     y_ptrs = y_ptr + ms[None, :] * stride_ym + rows[:, None]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_mask[:, None] & m_mask[None, :])
+    if SPLIT_K > 1:
+        sum_split_partials(
+            acc, acc_up, partial_ptr, arrivals_ptr, y_ptrs, rows, ms, out_mask, N, SILU_MUL, BLOCK_M, SPLIT_K
+        )
+    else:
+        if SILU_MUL:
+            acc = acc * tl.sigmoid(acc) * acc_up
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
 
 
-def _config(block_n: int, block_k: int, warps: int, stages: int = 3) -> triton.Config:
-    return triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k}, num_warps=warps, num_stages=stages)
+def _config(block_n: int, block_k: int, warps: int, stages: int = 3, **extra: int) -> triton.Config:
+    return triton.Config(
+        {"BLOCK_N": block_n, "BLOCK_K": block_k, **extra}, num_warps=warps, num_stages=stages
+    )
 
 
 # (BLOCK_N, BLOCK_K, warps): from two rows per program with long loads to 32 rows with short ones,
@@ -198,16 +220,21 @@ _GEMV_CONFIGS = [
         (8, 256, 8), (16, 128, 4), (16, 256, 8), (32, 128, 8),
     ]
 ]  # fmt: skip
-# (BLOCK_N, BLOCK_K, warps, stages): weight rows per program x K depth x pipeline depth, pruned the
-# same way. Tiles that overflow shared memory at large BLOCK_M fail to compile and are skipped.
+# (BLOCK_N, BLOCK_K, warps, stages, SPLIT_K): weight rows per program x K depth x pipeline depth x
+# K splits (kernels/linear_split_k.py), pruned the same way; split configs are tried only on shapes
+# with few weight-row tiles. Tiles that overflow shared memory at large BLOCK_M fail to compile
+# and are skipped.
 _GEMM_CONFIGS = [
-    _config(n, k, w, s)
-    for n, k, w, s in [
-        (16, 128, 2, 5), (16, 512, 4, 3), (32, 256, 4, 3), (64, 128, 4, 4),
-        (128, 64, 4, 4), (128, 64, 8, 5), (128, 128, 8, 3),
+    _config(n, k, w, s, SPLIT_K=split)
+    for n, k, w, s, split in [
+        (16, 128, 2, 5, 1), (16, 512, 4, 3, 1), (32, 256, 4, 3, 1), (64, 128, 4, 4, 1),
+        (128, 64, 4, 4, 1), (128, 64, 8, 5, 1), (128, 128, 8, 3, 1),
+        (32, 256, 4, 3, 4), (64, 128, 4, 4, 4), (64, 128, 4, 4, 8), (128, 64, 8, 5, 8),
     ]
 ]  # fmt: skip
 _FIXED_INTERPRETER_CONFIG: dict[str, Any] = {"BLOCK_N": 16, "BLOCK_K": 32}
+# The interpreter's K splits for GEMM shapes that may split (tests set more than 1).
+INTERPRETER_SPLIT_K = 1
 
 
 def _quick_bench(kernel_call: Any, quantiles: Any) -> Any:
@@ -216,7 +243,7 @@ def _quick_bench(kernel_call: Any, quantiles: Any) -> Any:
     return triton.testing.do_bench(kernel_call, warmup=5, rep=10, quantiles=quantiles)
 
 
-def _autotuned(kernel: Any, configs: list[triton.Config], key: list[str]) -> Any:
+def _autotuned(kernel: Any, configs: list[triton.Config], key: list[str], prune: Any = None) -> Any:
     if _INTERPRET:
         return kernel
     # cache_results: timings persist in Triton's cache dir, so later processes on the machine
@@ -224,13 +251,16 @@ def _autotuned(kernel: Any, configs: list[triton.Config], key: list[str]) -> Any
     return triton.autotune(
         configs,
         key=key,
+        prune_configs_by=None if prune is None else {"early_config_prune": prune},
         do_bench=_quick_bench,
         cache_results=True,
     )(kernel)
 
 
 _gemv = _autotuned(_gemv_kernel, _GEMV_CONFIGS, key=["N", "K", "SILU_MUL", "NORM"])
-_skinny_gemm = _autotuned(_skinny_gemm_kernel, _GEMM_CONFIGS, key=["N", "K", "BLOCK_M", "SILU_MUL"])
+_skinny_gemm = _autotuned(
+    _skinny_gemm_kernel, _GEMM_CONFIGS, key=["N", "K", "BLOCK_M", "SILU_MUL"], prune=prune_split_configs
+)
 
 
 _KEY_FIELDS = ("N", "K", "BLOCK_M", "fused", "pre_norm", "dtype")  # of a tuning key, after the kernel's name
@@ -323,11 +353,17 @@ class PreNorm:
 
 
 def _launch(
-    x: torch.Tensor, w: torch.Tensor, n_out: int, silu_mul: bool, norm: PreNorm | None = None
+    x: torch.Tensor,
+    w: torch.Tensor,
+    n_out: int,
+    silu_mul: bool,
+    norm: PreNorm | None = None,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, h): y = f(x) @ w.T over n_out rows (or the fused silu(gate) * up over rows j and
     j + n_out), where f is ``norm`` or the identity, and h the residual stream the norm leaves
-    (x itself without one); for a tuning key where cuBLAS measured faster, cuBLAS's answer."""
+    (x itself without one); for a tuning key where cuBLAS measured faster, cuBLAS's answer.
+    ``out`` (plain linears only) receives y instead of a new tensor."""
     m, k = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -336,8 +372,8 @@ def _launch(
     key = (kind, n_out, k, block_m, silu_mul, norm is not None, x.dtype)
     decided = _cublas_faster.get(key)
     if decided:
-        return _cublas(x, w, silu_mul, norm)
-    y = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
+        return _cublas(x, w, silu_mul, norm, out)
+    y = torch.empty((m, n_out), dtype=x.dtype, device=x.device) if out is None else out
     if m == 0 or n_out == 0:
         return y, x if norm is None else norm.h
     constexprs: dict[str, Any] = {"SILU_MUL": silu_mul, "USE_PDL": pdl_enabled()}
@@ -351,9 +387,16 @@ def _launch(
         if norm is not None:
             raise ValueError("the skinny GEMM has no norm prologue: pre-norm rows with rms_norm first")
         h = x
-        grid_of = lambda meta: (cdiv(n_out, meta["BLOCK_N"]), cdiv(m, block_m))  # noqa: E731
-        args = (x, w, y, m, n_out, k, n_out, x.stride(0), w.stride(0), y.stride(0))
+        split_ok = split_k_allowed(n_out, k, x.device)
+        workspace = (
+            split_k_workspace(x.device, cdiv(m, block_m), block_m, n_out, silu_mul) if split_ok else None
+        )
+        partials, arrivals = workspace or no_workspace(x.device)
+        grid_of = lambda meta: (cdiv(n_out, meta["BLOCK_N"]), cdiv(m, block_m), meta["SPLIT_K"])  # noqa: E731
+        args = (x, w, y, partials, arrivals, m, n_out, k, n_out, x.stride(0), w.stride(0), y.stride(0))
         constexprs.update(BLOCK_M=block_m, DOT_F32=_INTERPRET)
+        if _INTERPRET:
+            constexprs["SPLIT_K"] = INTERPRETER_SPLIT_K if split_ok else 1
     _run(kind, key, grid_of, args, constexprs)
     if decided is None and not _INTERPRET and not torch.cuda.is_current_stream_capturing():
         run = functools.partial(_run, kind, key, grid_of, args, constexprs)
@@ -364,31 +407,36 @@ def _launch(
             key[0], shape, config, run, lambda: _cublas(x, w, silu_mul, norm)
         )
         if _cublas_faster[key]:  # from its first call on, a key answers from one backend only
-            return _cublas(x, w, silu_mul, norm)
+            return _cublas(x, w, silu_mul, norm, out)
     return y, h
 
 
 def _cublas(
-    x: torch.Tensor, w: torch.Tensor, silu_mul: bool, norm: PreNorm | None
+    x: torch.Tensor, w: torch.Tensor, silu_mul: bool, norm: PreNorm | None, out: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The same op through cuBLAS, with the separate norm kernel before it and the SiLU-and-mul
     kernel after it where the op fuses them."""
+    if out is not None:  # a plain linear into the caller's buffer (F.linear is this same mm)
+        return torch.mm(x, w.t(), out=out), x
     h = x
     if norm is not None:
         from kernels.norms_triton import rms_norm_triton
 
         x, h = rms_norm_triton(x, norm.weight, norm.eps, norm.residual)
-    out = F.linear(x, w)
+    y = F.linear(x, w)
     if silu_mul:
         from kernels.activation_triton import silu_and_mul_triton
 
-        out = silu_and_mul_triton(out)
-    return out, h
+        y = silu_and_mul_triton(y)
+    return y, h
 
 
-def linear_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def linear_triton(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.T, into ``out`` ([M, N], contiguous, x's dtype) when given."""
     _check(x, w, "linear")
-    return _launch(x, w, w.shape[0], silu_mul=False)[0]
+    if out is not None:
+        check_out(out, x, w)
+    return _launch(x, w, w.shape[0], silu_mul=False, out=out)[0]
 
 
 def _gate_up_rows(w_gate_up: torch.Tensor) -> int:

@@ -21,6 +21,7 @@ from kernels.gdn import gated_delta_rule_decode_ref, gated_delta_rule_prefill_re
 from kernels.gdn_step import gdn_decode_step_ref
 from kernels.kv_cache import write_kv_ref
 from kernels.linear import (
+    check_out,
     linear_ref,
     linear_silu_and_mul_ref,
     rms_norm_linear_ref,
@@ -100,12 +101,16 @@ def _triton_linear(x: torch.Tensor, w: torch.Tensor) -> bool:
     return LINEAR_BACKEND == "triton" or x.shape[0] <= LINEAR_TRITON_MAX_M
 
 
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.T; with ``out`` ([M, N], contiguous, x's dtype) written there instead of a new tensor
+    (a row-parallel linear writes straight into the all-reduce's buffer)."""
+    if out is not None:
+        check_out(out, x, w)
     if not x.is_cuda:
-        return linear_ref(x, w)
+        return linear_ref(x, w) if out is None else out.copy_(linear_ref(x, w))
     if _triton_linear(x, w):
-        return _triton("linear", "linear")(x, w)
-    return F.linear(x, w)
+        return _triton("linear", "linear")(x, w, out)
+    return F.linear(x, w) if out is None else torch.mm(x, w.t(), out=out)
 
 
 def linear_silu_and_mul(x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:

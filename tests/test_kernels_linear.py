@@ -74,7 +74,31 @@ def _case(m: int, n: int, k: int) -> dict[str, float]:
     return errors
 
 
+def _split_k_case(m: int) -> dict[str, float]:
+    """The skinny GEMM with K cut in 3 (kernels/linear_split_k.py): K = 100 in BLOCK_K = 32 steps
+    gives shares of 64, 36 and nothing (an empty split still arrives); plain and fused with SiLU."""
+    from kernels import linear_split_k, linear_triton
+    from kernels.linear import linear_ref, linear_silu_and_mul_ref
+
+    x = torch.randn(m, 100).to(BF16)
+    w, w_gate_up = (torch.randn(37, 100) * 0.1).to(BF16), (torch.randn(74, 100) * 0.1).to(BF16)
+    linear_triton.INTERPRETER_SPLIT_K = 3
+    try:
+        first, second = linear_triton.linear_triton(x, w), linear_triton.linear_triton(x, w)
+        fused = linear_triton.linear_silu_and_mul_triton(x, w_gate_up)
+    finally:
+        linear_triton.INTERPRETER_SPLIT_K = 1
+    _, arrivals = linear_split_k._workspaces[x.device]
+    return {
+        "split_k": _rel(first, linear_ref(x, w)),
+        "split_k_repeat_differs": float(not torch.equal(first, second)),
+        "split_k_counters_left": float(arrivals.count_nonzero()),
+        "split_k_fused": _rel(fused, linear_silu_and_mul_ref(x, w_gate_up)),
+    }
+
+
 CASES = {f"m{m}_n{n}_k{k}": (lambda m=m, n=n, k=k: _case(m, n, k)) for m in ROWS for n, k in SHAPES}
+CASES.update({f"split_k_m{m}": (lambda m=m: _split_k_case(m)) for m in (3, 17, 80)})
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +121,19 @@ def test_triton_linear_matches_reference(
         assert err <= bound, f"m={m} n={n} k={k} {key}: relative error {err:.3g} > {bound}"
 
 
+@pytest.mark.parametrize("m", (3, 17, 80))
+def test_split_k_gemm_sums_every_split_and_resets_its_counters(
+    m: int, interpreted: dict[str, dict[str, object]]
+) -> None:
+    record = interpreted.get(f"split_k_m{m}")
+    assert record is not None and "exception" not in record, record
+    errors = record["errors"]
+    assert isinstance(errors, dict)
+    assert errors["split_k"] <= TOLERANCE and errors["split_k_fused"] <= TOLERANCE, errors
+    assert errors["split_k_repeat_differs"] == 0.0, "two launches of the same split-K GEMM differ"
+    assert errors["split_k_counters_left"] == 0.0, "a split-K launch left arrival counters set"
+
+
 def test_cpu_dispatch_uses_the_references() -> None:
     from kernels import ops
     from kernels.linear import (
@@ -117,6 +154,22 @@ def test_cpu_dispatch_uses_the_references() -> None:
     ):
         (y, h), (y_ref, h_ref) = fused(x, norm, 1e-6, residual, w), ref(x, norm, 1e-6, residual, w)
         assert torch.equal(y, y_ref) and torch.equal(h, h_ref)
+
+
+def test_linear_writes_into_a_given_out_buffer_of_its_exact_shape() -> None:
+    from kernels import ops
+    from kernels.linear import linear_ref
+
+    x, w = torch.randn(3, 16), torch.randn(10, 16)
+    out = torch.empty(3, 10)
+    assert ops.linear(x, w, out=out) is out and torch.equal(out, linear_ref(x, w))
+    with pytest.raises(
+        ValueError,
+        match=r"linear: out \(3, 9\) torch.float32 on cpu is not a contiguous \(3, 10\) torch.float32 on cpu",
+    ):
+        ops.linear(x, w, out=torch.empty(3, 9))
+    with pytest.raises(ValueError, match="is not a contiguous"):
+        ops.linear(x, w, out=torch.empty(10, 3).t())
 
 
 def test_triton_linear_rejects_mismatched_shapes() -> None:

@@ -158,13 +158,18 @@ def check_conv1d_decode() -> dict[str, float]:
     from kernels.conv1d import causal_conv1d_decode_ref
     from kernels.conv1d_triton import causal_conv1d_decode_triton
 
-    x, w = _rand(3, 24), _rand(24, 4, scale=0.5)
-    state = _rand(5, 24, 3)
-    state_ref = state.clone()
-    slots = torch.tensor([2, 0, 4])
-    y = causal_conv1d_decode_triton(x, w, state, slots)
-    y_ref = causal_conv1d_decode_ref(x, w, state_ref, slots)
-    return {"y": _rel(y, y_ref), "state": _rel(state, state_ref)}
+    errors = {}
+    # 300 channels: more than one program's block, the last one partly masked.
+    for channels in (24, 300):
+        x, w = _rand(3, channels), _rand(channels, 4, scale=0.5)
+        state = _rand(5, channels, 3)
+        state_ref = state.clone()
+        slots = torch.tensor([2, 0, 4])
+        y = causal_conv1d_decode_triton(x, w, state, slots)
+        y_ref = causal_conv1d_decode_ref(x, w, state_ref, slots)
+        errors[f"y_{channels}"] = _rel(y, y_ref)
+        errors[f"state_{channels}"] = _rel(state, state_ref)
+    return errors
 
 
 def check_conv1d_prefill() -> dict[str, float]:

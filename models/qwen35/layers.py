@@ -95,7 +95,7 @@ class FullAttention:
             gated = ops.paged_decode_attention(
                 q, self.k_cache, self.v_cache, ctx.page_tables, ctx.seq_lens, self.scale, gate
             )
-        return self.tp.all_reduce(ops.linear(gated.reshape(tokens, -1), self.o_weight)), residual
+        return self.tp.row_parallel_linear(gated.reshape(tokens, -1), self.o_weight), residual
 
 
 class GatedDeltaNet:
@@ -154,7 +154,7 @@ class GatedDeltaNet:
                 self.recurrent_state,
                 ctx.state_slots,
             )
-            return self.tp.all_reduce(ops.linear(y.reshape(tokens, -1), self.out_weight)), residual
+            return self.tp.row_parallel_linear(y.reshape(tokens, -1), self.out_weight), residual
         mixed = ops.causal_conv1d_prefill(
             qkv, self.conv_weight, self.conv_state, ctx.state_slots, ctx.cu_seqlens, ctx.has_initial_state
         )
@@ -168,7 +168,7 @@ class GatedDeltaNet:
             q, k, v, g, beta, self.recurrent_state, ctx.state_slots, ctx.cu_seqlens, ctx.has_initial_state
         )
         y = ops.gated_rms_norm(o, z.reshape(tokens, self.value_heads, self.value_dim), self.norm, self.eps)
-        return self.tp.all_reduce(ops.linear(y.reshape(tokens, -1), self.out_weight)), residual
+        return self.tp.row_parallel_linear(y.reshape(tokens, -1), self.out_weight), residual
 
 
 class MLP:
@@ -185,7 +185,7 @@ class MLP:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(output, residual stream): x + residual is pre-normed with ``norm`` inside gate_up."""
         hidden, residual = ops.rms_norm_linear_silu_and_mul(x, norm, self.eps, residual, self.gate_up_weight)
-        return self.tp.all_reduce(ops.linear(hidden, self.down_weight)), residual
+        return self.tp.row_parallel_linear(hidden, self.down_weight), residual
 
 
 class DecoderLayer:

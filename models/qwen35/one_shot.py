@@ -6,7 +6,8 @@ NCCL all-reduce takes ~14 µs inside a CUDA graph; PyTorch's symmetric-memory on
 (each rank reads its peers' buffers over NVLink and sums) takes ~6 µs. Larger messages (prefill,
 big decode batches) stay on NCCL.
 
-Each rank stages its input in one of two symmetric buffers, alternating. The one-shot kernel starts
+Each rank stages its input in one of two symmetric buffers, alternating (a row-parallel linear
+writes its output there directly, saving the copy). The one-shot kernel starts
 with a barrier across ranks, so a rank can overwrite a buffer only after every peer has reached
 the all-reduce after next, by which time it has finished reading that buffer. Where the
 alternation restarts (a new graph replay, an eager step after a graph) an NCCL collective sits in
@@ -15,6 +16,7 @@ between (the logits all-gather), which orders the ranks the same way.
 
 from __future__ import annotations
 
+import math
 import os
 
 import structlog
@@ -41,14 +43,25 @@ class OneShotAllReduce:
             self.buffers.append(buffer)
         self.calls = 0
 
-    def fits(self, x: torch.Tensor) -> bool:
-        return x.dtype == self.dtype and x.numel() <= self.max_numel
+    def fits(self, shape: tuple[int, ...], dtype: torch.dtype) -> bool:
+        return dtype == self.dtype and math.prod(shape) <= self.max_numel
+
+    def stage(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """The next symmetric buffer, as a contiguous ``shape`` view: write this rank's addend
+        there (a row-parallel linear writes its output straight in), then ``reduce`` it."""
+        staged = self.buffers[self.calls % 2][: math.prod(shape)]
+        self.calls += 1
+        return staged.view(shape)
+
+    def reduce(self, staged: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks of ``stage``'s buffer, in a new tensor of its shape."""
+        flat = staged.view(-1)
+        return torch.ops.symm_mem.one_shot_all_reduce(flat, "sum", self.group_name).view(staged.shape)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        staged = self.buffers[self.calls % 2][: x.numel()]
-        self.calls += 1
-        staged.copy_(x.reshape(-1))
-        return torch.ops.symm_mem.one_shot_all_reduce(staged, "sum", self.group_name).view(x.shape)
+        staged = self.stage(tuple(x.shape))
+        staged.copy_(x)
+        return self.reduce(staged)
 
 
 def try_one_shot(

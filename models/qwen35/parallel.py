@@ -31,10 +31,18 @@ class TensorParallel:
         """Sum of x over ranks: the returned tensor (x itself on the NCCL/gloo path)."""
         if self.world_size == 1:
             return x
-        if self.one_shot is not None and self.one_shot.fits(x):
+        if self.one_shot is not None and self.one_shot.fits(tuple(x.shape), x.dtype):
             return self.one_shot(x)
         dist.all_reduce(x)
         return x
+
+    def row_parallel_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """all_reduce(x @ w.T) for a weight split along K: on the one-shot path the linear writes
+        its partial straight into the symmetric buffer, with no staging copy."""
+        shape = (x.shape[0], w.shape[0])
+        if self.world_size == 1 or self.one_shot is None or not self.one_shot.fits(shape, x.dtype):
+            return self.all_reduce(ops.linear(x, w))
+        return self.one_shot.reduce(ops.linear(x, w, out=self.one_shot.stage(shape)))
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, V/t] on each rank -> [N, V], rank r's part at columns [r V/t, (r+1) V/t)."""
