@@ -382,7 +382,9 @@ def _launch(
         res, nw, h, eps = (x, x, x, 0.0) if norm is None else (norm.residual, norm.weight, norm.h, norm.eps)
         grid_of = lambda meta: (cdiv(n_out, meta["BLOCK_N"]),)  # noqa: E731
         args = (x, w, y, res, nw, h, n_out, k, n_out, w.stride(0), eps)
-        constexprs.update(NORM=norm is not None, NORM_BLOCK=min(next_pow2(k), _NORM_BLOCK_MAX))
+        # Without a norm NORM_BLOCK is unused: one value keeps every K on the same compiled binary.
+        norm_block = 1 if norm is None else min(next_pow2(k), _NORM_BLOCK_MAX)
+        constexprs.update(NORM=norm is not None, NORM_BLOCK=norm_block)
     else:
         if norm is not None:
             raise ValueError("the skinny GEMM has no norm prologue: pre-norm rows with rms_norm first")

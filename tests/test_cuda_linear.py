@@ -184,22 +184,25 @@ def test_dependent_gemv_chain_under_pdl_in_a_graph_matches_eager_and_reference()
 
 @pytest.mark.parametrize("split", (4, 8))
 @pytest.mark.parametrize("m", (3, 64))
-@pytest.mark.parametrize("role", ("mlp.down_proj", "mlp.gate_up_proj"))
+@pytest.mark.parametrize("fused", (False, True), ids=("down_proj", "gate_up_2048"))
 def test_split_k_gemm_matches_reference_and_replays_in_a_graph(
-    role: str, split: int, m: int, weights: dict[str, torch.Tensor], monkeypatch: pytest.MonkeyPatch
+    fused: bool, split: int, m: int, weights: dict[str, torch.Tensor], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """down_proj (K = 9216) and gate_up fused with SiLU-and-mul, their K forced into 4 and 8
-    splits: within bf16 of fp32, the same bits from a graph replay as eagerly, and every arrival
-    counter back at zero."""
+    """K forced into 4 and 8 splits on shapes thin enough to split (kernels/linear_split_k.py):
+    down_proj (2560 x 9216) and a gate_up of 2 x 2048 rows fused with SiLU-and-mul. Within bf16 of
+    fp32, the same bits from a graph replay as eagerly, and every arrival counter back at zero."""
     import triton
 
     from kernels import linear_split_k
 
-    w = weights[role]
-    fused = role.endswith("gate_up_proj")
+    if fused:
+        w = (torch.randn(2 * 2048, 2560, device=DEV) * 2560**-0.5).to(BF16)
+    else:
+        w = weights["mlp.down_proj"]
+    n_out = w.shape[0] // 2 if fused else w.shape[0]
+    assert linear_split_k.split_k_allowed(n_out, w.shape[1], DEV)
     op = linear_silu_and_mul_triton if fused else linear_triton
-    block_m = 16 if m <= 16 else 64
-    key = ("gemm", w.shape[0] // 2 if fused else w.shape[0], w.shape[1], block_m, fused, False, BF16)
+    key = ("gemm", n_out, w.shape[1], 16 if m <= 16 else 64, fused, False, BF16)
     forced = triton.Config({"BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": split}, num_warps=4, num_stages=4)
     monkeypatch.setitem(linear_triton_module._best_configs, key, forced)
     monkeypatch.setitem(linear_triton_module._cublas_faster, key, False)
@@ -208,8 +211,7 @@ def test_split_k_gemm_matches_reference_and_replays_in_a_graph(
     eager = op(x, w)
     ref = F.linear(x.float(), w.float())
     if fused:
-        half = w.shape[0] // 2
-        ref = F.silu(ref[:, :half]) * ref[:, half:]
+        ref = F.silu(ref[:, :n_out]) * ref[:, n_out:]
     assert rel(eager, ref) <= TOL
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -218,7 +220,7 @@ def test_split_k_gemm_matches_reference_and_replays_in_a_graph(
     for _ in range(3):
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(out, eager), f"{role} split-K {split} graph replay at M={m} differs from eager"
+        assert torch.equal(out, eager), f"split-K {split} graph replay at M={m} differs from eager"
     _, arrivals = linear_split_k._workspaces[x.device]
     assert arrivals.count_nonzero().item() == 0, "a split-K launch left arrival counters set"
 
