@@ -2,12 +2,12 @@
 
 At M >= 2 the skinny GEMM has one program per BLOCK_N weight rows (and BLOCK_M batch rows). The
 projections back into the hidden size (down_proj, out_proj, o_proj: N = 2560 at the 4B geometry)
-then have only ~40 programs for 132 SMs, and cuBLAS beat them by ~2x on the H200; at M = 64 the
-tuned gate_up (72 programs) and in_proj (97) leave SMs idle too. Split-K cuts K into SPLIT_K shares, one program each, and sums the shares without a second launch or a zeroed
-buffer: each program stores its fp32 partial tile, and the one that arrives last at the tile's
-counter (an atomic add) sums every split in split order, stores y, and resets the counter to zero
-for the next launch. The order is fixed, so the answer does not depend on which split finished
-last, and a CUDA-graph replay equals the eager launch bit for bit.
+then have only ~40 programs for 132 SMs. Split-K cuts K into SPLIT_K shares, one program each,
+and sums the shares without a second launch or a zeroed buffer: each program stores its fp32
+partial tile, and the one that arrives last at the tile's counter (an atomic add) sums every split
+in split order, stores y, and resets the counter to zero for the next launch. The order is fixed,
+so the answer does not depend on which split finished last, and a CUDA-graph replay equals the
+eager launch bit for bit.
 
 The partials and counters are one per-device workspace, shared by every split launch: launches on
 a stream run one after another (under PDL a kernel waits for the one before it to finish before

@@ -28,8 +28,9 @@ cuBLAS (with the separate norm and SiLU kernels where the Triton op fuses them) 
 graph step went from 3.65 to 3.21 ms), while at M = 64 cuBLAS wins the N = 2560 projections, where
 the skinny GEMM has only N / BLOCK_N programs: shapes where cuBLAS wins are what the race catches.
 
-Split-K is left out on purpose: combining partial sums costs a zeroed fp32 buffer (memset) plus a
-convert launch, more than it saves inside a CUDA graph where each launch is ~1-2 µs.
+The skinny GEMM may split K on thin shapes (``kernels/linear_split_k.py``: one launch, the last
+split to arrive sums them); the autotuner decides per key whether a split config is faster. It won
+the N = 2560 projections at M = 16 and 32 on the H200; at M = 64 cuBLAS still wins them.
 
 Autotuning and CUDA graphs: the GEMV is tuned per (N, K, fused or not, pre-normed or not), the
 GEMM per (N, K, ``BLOCK_M``, fused or not), where ``BLOCK_M`` is the power-of-2 bucket of M clamped to 16..64, never
@@ -62,6 +63,7 @@ from kernels.launch import FastLaunch, cdiv, next_pow2, pdl_enabled, wait_for_pr
 from kernels.linear import check_out
 from kernels.linear_race import cublas_beats_triton
 from kernels.linear_split_k import (
+    MAX_SPLIT_K,
     no_workspace,
     prune_split_configs,
     split_k_allowed,
@@ -232,6 +234,8 @@ _GEMM_CONFIGS = [
         (32, 256, 4, 3, 4), (64, 128, 4, 4, 4), (64, 128, 4, 4, 8), (128, 64, 8, 5, 8),
     ]
 ]  # fmt: skip
+if max(c.kwargs["SPLIT_K"] for c in _GEMM_CONFIGS) > MAX_SPLIT_K:
+    raise ValueError(f"a GEMM config splits K more than the split-K workspace holds ({MAX_SPLIT_K})")
 _FIXED_INTERPRETER_CONFIG: dict[str, Any] = {"BLOCK_N": 16, "BLOCK_K": 32}
 # The interpreter's K splits for GEMM shapes that may split (tests set more than 1).
 INTERPRETER_SPLIT_K = 1

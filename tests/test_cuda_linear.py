@@ -225,6 +225,25 @@ def test_split_k_gemm_matches_reference_and_replays_in_a_graph(
     assert arrivals.count_nonzero().item() == 0, "a split-K launch left arrival counters set"
 
 
+def test_split_k_workspace_growth_inside_capture_is_refused(weights: dict[str, torch.Tensor]) -> None:
+    """A split-K shape tuned at 64 rows, then first met with 512 (eight row blocks, a workspace
+    bigger than any other test needs) inside a capture: refused with the shape, not a realloc
+    that an earlier graph could still point into."""
+    w = weights["mlp.down_proj"]
+    linear_triton(torch.randn(64, w.shape[1], device=DEV).to(BF16), w)  # tunes the BLOCK_M = 64 key
+    x = torch.randn(512, w.shape[1], device=DEV).to(BF16)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with (
+        pytest.raises(
+            RuntimeError,
+            match=r"split-K GEMM workspace for 512 x 2560 first needed inside CUDA-graph capture",
+        ),
+        torch.cuda.graph(graph),
+    ):
+        linear_triton(x, w)
+
+
 @pytest.mark.parametrize("m", (1, 16))
 def test_linear_into_an_out_buffer_equals_the_fresh_result(m: int, weights: dict[str, torch.Tensor]) -> None:
     """The row-parallel linears write into the all-reduce's buffer: the same bits as without one."""
