@@ -104,12 +104,12 @@ def _triton_linear(x: torch.Tensor, w: torch.Tensor) -> bool:
 def linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """x @ w.T; with ``out`` ([M, N], contiguous, x's dtype) written there instead of a new tensor
     (a row-parallel linear writes straight into the all-reduce's buffer)."""
+    if x.is_cuda and _triton_linear(x, w):
+        return _triton("linear", "linear")(x, w, out)  # checks out itself
     if out is not None:
         check_out(out, x, w)
     if not x.is_cuda:
         return linear_ref(x, w) if out is None else out.copy_(linear_ref(x, w))
-    if _triton_linear(x, w):
-        return _triton("linear", "linear")(x, w, out)
     return F.linear(x, w) if out is None else torch.mm(x, w.t(), out=out)
 
 

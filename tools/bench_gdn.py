@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tools.bench_decode import cuda_time_ms
+
 COPY_BANDWIDTH = 4.3e12  # bytes/s, device-to-device copy measured on the H200 (read + write)
 L2_FLUSH_BYTES = 256e6  # several times the H200's 60 MB L2
 CONV_K = 4
@@ -138,14 +140,7 @@ def time_path(batch: int, path: str, args: argparse.Namespace, device: torch.dev
             one(i)
     graph.replay()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(args.replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
+    times = [ms * 1e3 / calls for ms in cuda_time_ms(graph.replay, args.replays)]
     del graph
     return Timing(
         batch,
