@@ -33,7 +33,9 @@ def _apply_gate(out, gate, dtype: tl.constexpr):
     return attn * tl.sigmoid(gate.to(tl.float32)).to(dtype).to(tl.float32)
 
 
-@triton.jit
+# ``splits`` is a runtime argument, not specialised: one binary serves every batch bucket (each
+# bucket cuts the keys into a different number of splits), one compile instead of six.
+@triton.jit(do_not_specialize=["splits"])
 def _decode_kernel(
     q_ptr,
     kc_ptr,
@@ -56,12 +58,13 @@ def _decode_kernel(
     stride_gh,
     H,
     scale,
+    splits,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     D: tl.constexpr,
     PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,
     DOT_F32: tl.constexpr,
     HAS_GATE: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -71,9 +74,9 @@ def _decode_kernel(
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
     seq_len = tl.load(lens_ptr + b)
-    # Each row cuts its own keys: the cut depends on the row's length and SPLITS only, never on
+    # Each row cuts its own keys: the cut depends on the row's length and splits only, never on
     # the batch size or the page-table width, so eager and graph decode agree bit for bit.
-    split_size = tl.cdiv(tl.cdiv(seq_len, SPLITS), BLOCK_N) * BLOCK_N
+    split_size = tl.cdiv(tl.cdiv(seq_len, splits), BLOCK_N) * BLOCK_N
     start = sp * split_size
     end = tl.minimum(start + split_size, seq_len)
     g = tl.arange(0, GROUP_PAD)
@@ -109,7 +112,7 @@ def _decode_kernel(
         m = m_new
     safe_l = tl.where(l_sum > 0.0, l_sum, 1.0)
     out = acc / safe_l[:, None]
-    if SPLITS == 1:
+    if not SPLIT:
         if HAS_GATE:
             g_ptrs = gate_ptr + b * stride_gb + heads[:, None] * stride_gh + d[None, :]
             out = _apply_gate(out, tl.load(g_ptrs, mask=g_mask[:, None], other=0.0), o_ptr.dtype.element_ty)
@@ -118,12 +121,12 @@ def _decode_kernel(
     else:
         # Partial results for the merge: fp32 output and log-sum-exp (-inf for an empty split).
         lse = tl.where(l_sum > 0.0, m + tl.log(safe_l), float("-inf"))
-        part = (b * H + heads) * SPLITS + sp
+        part = (b * H + heads) * splits + sp
         tl.store(po_ptr + part[:, None] * D + d[None, :], out, mask=g_mask[:, None])
         tl.store(plse_ptr + part, lse, mask=g_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits"])
 def _merge_kernel(
     po_ptr,
     plse_ptr,
@@ -134,21 +137,23 @@ def _merge_kernel(
     stride_oh,
     stride_gb,
     stride_gh,
+    splits,
     D: tl.constexpr,
-    SPLITS: tl.constexpr,
+    MAX_SPLITS: tl.constexpr,
     HAS_GATE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     wait_for_producer(USE_PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
-    s = tl.arange(0, SPLITS)
+    s = tl.arange(0, MAX_SPLITS)
+    s_mask = s < splits
     d = tl.arange(0, D)
-    base = (b * H + h) * SPLITS
-    lse = tl.load(plse_ptr + base + s)
+    base = (b * H + h) * splits
+    lse = tl.load(plse_ptr + base + s, mask=s_mask, other=float("-inf"))
     m = tl.max(lse, axis=0)
     w = tl.where(lse > float("-inf"), tl.exp(lse - m), 0.0)
-    parts = tl.load(po_ptr + (base + s)[:, None] * D + d[None, :])
+    parts = tl.load(po_ptr + (base + s)[:, None] * D + d[None, :], mask=s_mask[:, None], other=0.0)
     out = tl.sum(parts * w[:, None], axis=0) / tl.maximum(tl.sum(w, axis=0), 1e-30)
     if HAS_GATE:
         out = _apply_gate(out, tl.load(gate_ptr + b * stride_gb + h * stride_gh + d), o_ptr.dtype.element_ty)
@@ -205,7 +210,9 @@ def decode_attention_with_splits(
     splits: int,
     gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The decode attention with the KV range cut into ``splits`` (a power of two) parts."""
+    """The decode attention with the KV range cut into ``splits`` parts (1 to 64)."""
+    if not 1 <= splits <= _MAX_SPLITS:
+        raise ValueError(f"decode attention splits must be 1 to {_MAX_SPLITS}, got {splits}")
     batch, heads, dim = q.shape
     page_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = heads // kv_heads
@@ -246,12 +253,13 @@ def decode_attention_with_splits(
         gate_arg.stride(1),
         heads,
         scale,
+        splits,
         group,
         max(16, next_pow2(group)),
         dim,
         page_size,
         block_n,
-        splits,
+        splits > 1,
         _DOT_F32,
         gate is not None,
         num_warps=4,
@@ -269,8 +277,9 @@ def decode_attention_with_splits(
             out.stride(1),
             gate_arg.stride(0),
             gate_arg.stride(1),
-            dim,
             splits,
+            dim,
+            _MAX_SPLITS,
             gate is not None,
             num_warps=4,
         )

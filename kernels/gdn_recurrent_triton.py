@@ -33,6 +33,7 @@ from kernels.gdn_step import gdn_split_sizes
 from kernels.gdn_triton import l2_normalize, softplus_gate
 from kernels.launch import FastLaunch, cdiv, next_pow2, pdl_enabled, wait_for_producer
 from kernels.norms_triton import gated_rms_norm_triton
+from kernels.parallel_compile import precompiling
 
 log = structlog.get_logger(__name__)
 
@@ -139,7 +140,7 @@ _BENCH = {"do_bench": _short_bench} if "do_bench" in inspect.signature(triton.au
 _tuned_kernel = triton.autotune(
     configs=[triton.Config({"BV": bv}, num_warps=w) for bv, w in _TUNING_SPACE],
     key=["tuning_bucket", "HK", "HV", "DK", "DV"],
-    prune_configs_by={"early_config_prune": _prune_configs},
+    prune_configs_by={"early_config_prune": precompiling(_recurrent_kernel, _prune_configs)},
     **_BENCH,
 )(_recurrent_kernel)
 # Tuned launches go through the compiled handle: the autotuner's per-call dispatch costs eager

@@ -70,6 +70,7 @@ from kernels.linear_split_k import (
     split_k_workspace,
     sum_split_partials,
 )
+from kernels.parallel_compile import precompiling
 
 log = structlog.get_logger(__name__)
 
@@ -255,7 +256,7 @@ def _autotuned(kernel: Any, configs: list[triton.Config], key: list[str], prune:
     return triton.autotune(
         configs,
         key=key,
-        prune_configs_by=None if prune is None else {"early_config_prune": prune},
+        prune_configs_by={"early_config_prune": precompiling(kernel, prune)},
         do_bench=_quick_bench,
         cache_results=True,
     )(kernel)

@@ -23,6 +23,7 @@ and sweep eagerly ("eager static-buffer" mode), and says so once in the log.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ import structlog
 import torch
 import torch.distributed as dist
 
+from kernels.parallel_compile import parallel_compile
 from models.qwen35 import DecodeBatch
 from protocol.messages import Ack, Capacity, Capture, Finalize, Launch, Precapture, PrecapturePhase, Warmup
 from worker.buckets import bucket_for, buckets_up_to, state_slot_layout
@@ -194,16 +196,20 @@ class DecodeGraphRunner:
 
     def _warmup(self) -> None:
         started = time.perf_counter()
-        for bucket in self.buckets:
-            self._stage_padding_only(bucket)
-            with self._on_capture_stream():
-                if self.geometry.world_size > 1:
-                    probe = torch.zeros(
-                        bucket, self.geometry.hidden_size, dtype=self.geometry.dtype, device=self.device
-                    )
-                    dist.all_reduce(probe)
-                self._eager(bucket)
-        self._synchronize()
+        # The warm-up compiles and tunes every kernel of every bucket: on an empty Triton cache
+        # that is most of the sweep, so each new tuning key's configs compile side by side.
+        ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE") or self.geometry.world_size)
+        with parallel_compile(ranks_here):
+            for bucket in self.buckets:
+                self._stage_padding_only(bucket)
+                with self._on_capture_stream():
+                    if self.geometry.world_size > 1:
+                        probe = torch.zeros(
+                            bucket, self.geometry.hidden_size, dtype=self.geometry.dtype, device=self.device
+                        )
+                        dist.all_reduce(probe)
+                    self._eager(bucket)
+            self._synchronize()
         self._warmed = True
         log.info(
             "decode graph warm-up done",
