@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import msgspec
 
 
@@ -42,3 +44,9 @@ def encode_config(config: WorkerConfig) -> bytes:
 
 def decode_config(data: bytes) -> WorkerConfig:
     return msgspec.json.decode(data, type=WorkerConfig)
+
+
+def ranks_on_this_host(world_size: int) -> int:
+    """How many ranks share this host's cores: torchrun says so for attached ranks
+    (``LOCAL_WORLD_SIZE``); ranks the coordinator spawns all share its host."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE") or world_size)

@@ -23,7 +23,6 @@ and sweep eagerly ("eager static-buffer" mode), and says so once in the log.
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from kernels.parallel_compile import parallel_compile
 from models.qwen35 import DecodeBatch
 from protocol.messages import Ack, Capacity, Capture, Finalize, Launch, Precapture, PrecapturePhase, Warmup
 from worker.buckets import bucket_for, buckets_up_to, state_slot_layout
+from worker.config import ranks_on_this_host
 from worker.errors import WorkerStateError
 from worker.faults import fault_point
 
@@ -198,8 +198,7 @@ class DecodeGraphRunner:
         started = time.perf_counter()
         # The warm-up compiles and tunes every kernel of every bucket: on an empty Triton cache
         # that is most of the sweep, so each new tuning key's configs compile side by side.
-        ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE") or self.geometry.world_size)
-        with parallel_compile(ranks_here):
+        with parallel_compile(ranks_on_this_host(self.geometry.world_size)):
             for bucket in self.buckets:
                 self._stage_padding_only(bucket)
                 with self._on_capture_stream():

@@ -25,7 +25,7 @@ from protocol.transport import RankSocket
 from worker.buckets import state_slot_layout
 from worker.capacity import size_capacity
 from worker.commands import StepRunner
-from worker.config import WorkerConfig
+from worker.config import WorkerConfig, ranks_on_this_host
 from worker.faults import fault_point, wrap_socket
 from worker.graphs import build_graph_runner, precapture_handler
 from worker.heartbeat import HeartbeatThread
@@ -51,10 +51,8 @@ def _device(config: WorkerConfig) -> torch.device:
         return torch.device("cuda", config.local_rank)
     if config.device != "cpu":
         raise ValueError(f"unknown device {config.device!r} (cpu or cuda)")
-    # Ranks on one host share its cores; oversubscribing them slows every collective. Spawned
-    # ranks all share this host; torchrun tells attached ranks how many share theirs.
-    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE") or config.world_size)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_here))
+    # Ranks on one host share its cores; oversubscribing them slows every collective.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_on_this_host(config.world_size)))
     return torch.device("cpu")
 
 
