@@ -13,23 +13,28 @@ from kernels.launch import FastLaunch, cdiv, next_pow2, wait_for_producer
 
 
 @triton.jit
-def conv_decode_channels(x_row_ptr, w_ptr, state_row_ptr, ch, mask, K: tl.constexpr):
-    """One decode step for the channels ``ch``: returns silu(conv) in fp32, shifts the state.
+def conv_state_window(state_rows, tap, mask, K: tl.constexpr):
+    """The [C, TAPS] views of the stored conv inputs of channels ``state_rows`` (one pointer per
+    channel, to its K - 1 stored inputs, oldest first): ``old[:, j]`` is stored input j, ``later``
+    the same shifted left by one (input j + 1), for ``conv_step``. TAPS = K rounded up to a power
+    of two; columns past the stored inputs are zero."""
+    stored = mask[:, None] & (tap < K - 1)[None, :]
+    old = tl.load(state_rows[:, None] + tap[None, :], mask=stored, other=0.0)
+    later = tl.load(
+        state_rows[:, None] + 1 + tap[None, :], mask=mask[:, None] & (tap < K - 2)[None, :], other=0.0
+    )
+    return old, later
 
-    Shared with the fused GDN decode step, which calls it per head."""
-    x = tl.load(x_row_ptr + ch, mask=mask, other=0.0)
-    acc = tl.load(w_ptr + ch * K + (K - 1), mask=mask, other=0.0).to(tl.float32) * x.to(tl.float32)
-    # Shift left: column j - 1 takes column j, the newest input lands in the last column. A
-    # channel may be held by several threads (a vector shorter than the program's threads), so a
-    # barrier separates every thread's reads of a column from any thread's write over it.
-    for j in tl.static_range(K - 1):
-        cur = tl.load(state_row_ptr + ch * (K - 1) + j, mask=mask, other=0.0)
-        acc += tl.load(w_ptr + ch * K + j, mask=mask, other=0.0).to(tl.float32) * cur.to(tl.float32)
-        tl.debug_barrier()
-        if j > 0:
-            tl.store(state_row_ptr + ch * (K - 1) + j - 1, cur, mask=mask)
-    tl.store(state_row_ptr + ch * (K - 1) + K - 2, x.to(state_row_ptr.dtype.element_ty), mask=mask)
-    return acc * tl.sigmoid(acc)
+
+@triton.jit
+def conv_step(old, later, x, w, tap, K: tl.constexpr):
+    """One decode step of depthwise causal conv + SiLU from ``conv_state_window``'s views, the new
+    inputs x [C] and the weights w [C, TAPS]: (silu(conv) in fp32, the new stored inputs [C, TAPS],
+    i.e. the window shifted left by one with x last)."""
+    window = tl.where((tap == K - 1)[None, :], x[:, None], old)
+    acc = tl.sum(window.to(tl.float32) * w.to(tl.float32), axis=1)
+    shifted = tl.where((tap == K - 2)[None, :], x[:, None], later)
+    return acc * tl.sigmoid(acc), shifted
 
 
 @triton.jit
@@ -57,21 +62,15 @@ def _conv_decode_kernel(
     mask = ch < C
     tap = tl.arange(0, TAPS)
     slot = tl.load(slots_ptr + b)
-    state_rows = state_ptr + slot * stride_slot + ch[:, None] * (K - 1)
-    # window[:, j] is input j of the conv: the K - 1 stored inputs (oldest first), then x.
-    stored = mask[:, None] & (tap < K - 1)[None, :]
-    old = tl.load(state_rows + tap[None, :], mask=stored, other=0.0)
+    state_rows = state_ptr + slot * stride_slot + ch * (K - 1)
+    old, later = conv_state_window(state_rows, tap, mask, K)
     x = tl.load(x_ptr + b * stride_x + ch, mask=mask, other=0.0)
-    window = tl.where((tap == K - 1)[None, :], x[:, None], old)
-    # The new state is the window shifted left by one tap: stored columns 1.., then x.
-    later = tl.load(state_rows + 1 + tap[None, :], mask=mask[:, None] & (tap < K - 2)[None, :], other=0.0)
-    shifted = tl.where((tap == K - 2)[None, :], x[:, None], later)
     w = tl.load(w_ptr + ch[:, None] * K + tap[None, :], mask=mask[:, None] & (tap < K)[None, :], other=0.0)
-    acc = tl.sum(window.to(tl.float32) * w.to(tl.float32), axis=1)
+    y, shifted = conv_step(old, later, x, w, tap, K)
     # Another thread may hold the old value of an element this thread overwrites: all reads first.
     tl.debug_barrier()
-    tl.store(state_rows + tap[None, :], shifted.to(state_ptr.dtype.element_ty), mask=stored)
-    y = acc * tl.sigmoid(acc)
+    stored = mask[:, None] & (tap < K - 1)[None, :]
+    tl.store(state_rows[:, None] + tap[None, :], shifted.to(state_ptr.dtype.element_ty), mask=stored)
     tl.store(y_ptr + b * stride_y + ch, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 

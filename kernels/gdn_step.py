@@ -3,8 +3,9 @@
 ``gdn_decode_step`` = causal conv1d decode (+ SiLU) over the qkv channels, split into q / k / v,
 gates, the gated delta rule step, and the gated RMSNorm of its output: the chain of
 ``kernels/conv1d.py``, ``kernels/gdn.py`` and ``kernels/norms.py`` ops between the GDN input
-projections and ``out_proj``. On CUDA ``gdn_step_triton.py`` runs it as a single kernel, which
-matters at decode, where each launch costs more than the work it does.
+projections and ``out_proj``. On CUDA ``gdn_step_triton.py`` runs it as the conv kernel and one
+more (or one, ``PHALANX_GDN=fused``), which matters at decode, where each launch costs more than
+the work it does.
 
 Shapes (local heads): mixed_qkv [B, 2*Hk*dk + Hv*dv] (pre-conv ``in_proj_qkv`` output),
 conv_weight [conv_dim, K], z [B, Hv, dv], a / b [B, Hv], A_log / dt_bias [Hv], norm_weight [dv],

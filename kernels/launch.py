@@ -65,6 +65,12 @@ def _spec(arg: Any) -> Any:
     return cls if cls is float else arg
 
 
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """The multiprocessor count of a CUDA device (read once per device)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def next_pow2(n: int) -> int:
     """``triton.next_power_of_2`` without its wrapper's call overhead (~5 µs, on every launch)."""
     return 1 << max(n - 1, 0).bit_length()

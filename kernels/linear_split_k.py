@@ -9,10 +9,8 @@ in split order, stores y, and resets the counter to zero for the next launch. Th
 so the answer does not depend on which split finished last, and a CUDA-graph replay equals the
 eager launch bit for bit.
 
-The partials and counters are one per-device workspace, shared by every split launch: launches on
-a stream run one after another (under PDL a kernel waits for the one before it to finish before
-touching memory). It only grows, outside graph capture (the graph sweep's warm-up meets every
-shape first), and a grown-out buffer is kept alive, as graphs captured earlier still point at it.
+The partials and counters are one per-device workspace (``kernels/workspace.py``), shared by every
+split launch.
 """
 
 from __future__ import annotations
@@ -24,12 +22,14 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import sm_count
+from kernels.workspace import GrowOnlyWorkspace
+
 MAX_SPLIT_K = 8
 # Each split keeps at least this many BLOCK_K steps in its pipeline.
 _MIN_STEPS_PER_SPLIT = 2
 
-_workspaces: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-_outgrown: list[tuple[torch.Tensor, torch.Tensor]] = []
+_WORKSPACE = GrowOnlyWorkspace("split-K GEMM workspace", (torch.float32, torch.int32), (False, True))
 
 
 @triton.jit
@@ -63,11 +63,6 @@ def sum_split_partials(acc, acc_up, partial_ptr, arrivals_ptr, y_ptrs, rows, ms,
         tl.store(arrivals_ptr + tile, 0)
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def split_k_allowed(n: int, k: int, device: torch.device) -> bool:
     """Whether this GEMM shape may split K: on a GPU, with fewer 64-row tiles than half the SMs
     and K long enough for two splits. On the H200 split configs won only such thin shapes (N = 2560
@@ -75,7 +70,7 @@ def split_k_allowed(n: int, k: int, device: torch.device) -> bool:
     pre-capture sweep. Off the GPU (the interpreter's CPU tests) every shape may split."""
     if device.type != "cuda":
         return True
-    return triton.cdiv(n, 64) < _sm_count(device.index or 0) // 2 and k >= 2 * _MIN_STEPS_PER_SPLIT * 64
+    return triton.cdiv(n, 64) < sm_count(device) // 2 and k >= 2 * _MIN_STEPS_PER_SPLIT * 64
 
 
 def prune_split_configs(
@@ -108,24 +103,7 @@ def split_k_workspace(
     at least 16 rows. Grows outside capture only."""
     partials_needed = MAX_SPLIT_K * (2 if silu_mul else 1) * m_blocks * block_m * n
     counters_needed = m_blocks * triton.cdiv(n, 16)
-    current = _workspaces.get(device)
-    if (
-        current is not None
-        and current[0].numel() >= partials_needed
-        and current[1].numel() >= counters_needed
-    ):
-        return current
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(
-            f"split-K GEMM workspace for {m_blocks * block_m} x {n} first needed inside CUDA-graph "
-            "capture: run one eager step of this batch bucket before capture"
-        )
-    if current is not None:
-        _outgrown.append(current)
-        partials_needed = max(partials_needed, current[0].numel())
-        counters_needed = max(counters_needed, current[1].numel())
-    _workspaces[device] = (
-        torch.empty(partials_needed, dtype=torch.float32, device=device),
-        torch.zeros(counters_needed, dtype=torch.int32, device=device),
+    partials, arrivals = _WORKSPACE.get(
+        device, (partials_needed, counters_needed), needed_for=f"{m_blocks * block_m} x {n}"
     )
-    return _workspaces[device]
+    return partials, arrivals

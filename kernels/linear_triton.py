@@ -59,7 +59,7 @@ import triton
 import triton.language as tl
 import triton.testing
 
-from kernels.launch import FastLaunch, cdiv, next_pow2, pdl_enabled, wait_for_producer
+from kernels.launch import FastLaunch, cdiv, next_pow2, pdl_enabled, sm_count, wait_for_producer
 from kernels.linear import check_out
 from kernels.linear_race import cublas_beats_triton
 from kernels.linear_split_k import (
@@ -83,21 +83,20 @@ _NORM_BLOCK_MAX = 8192  # the GEMV's norm prologue reads up to this many element
 @triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, y_ptr, res_ptr, nw_ptr, h_ptr, N, K, inter, stride_wn, eps,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU_MUL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PER_SM: tl.constexpr, SILU_MUL: tl.constexpr,
     NORM: tl.constexpr, NORM_BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < N
+    if PER_SM == 0:  # one program per BLOCK_N rows
+        start = tl.program_id(0) * BLOCK_N
+        end = tl.minimum(start + BLOCK_N, N)
+    else:  # persistent: an equal share of the rows per program, every program resident at once
+        start = tl.program_id(0) * N // tl.num_programs(0)
+        end = (tl.program_id(0) + 1) * N // tl.num_programs(0)
     cols = tl.arange(0, BLOCK_K)
     # The first weight tile is requested before waiting for the previous kernel (under PDL it is
     # still running): the weights never change, and the tile arrives while the wait and the norm
     # prologue go on.
-    first_mask = row_mask[:, None] & (cols < K)[None, :]
-    w_rows = w_ptr + rows[:, None] * stride_wn
-    w = tl.load(w_rows + cols[None, :], mask=first_mask, other=0.0)
-    w_up = w
-    if SILU_MUL:
-        w_up = tl.load(w_rows + inter * stride_wn + cols[None, :], mask=first_mask, other=0.0)
+    w, w_up = _first_tile(w_ptr, start + tl.arange(0, BLOCK_N), end, cols, K, inter, stride_wn, SILU_MUL)
     wait_for_producer(USE_PDL)
     inv = 1.0
     if NORM:
@@ -111,25 +110,43 @@ def _gemv_kernel(
                 tl.store(h_ptr + k, h, mask=k < K)
             ss += h.to(tl.float32) * h.to(tl.float32)
         inv = tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
-    x = _gemv_input(x_ptr, res_ptr, nw_ptr, cols, cols < K, inv, NORM)
-    acc = w.to(tl.float32) * x[None, :]
-    acc_up = acc
-    if SILU_MUL:
-        acc_up = w_up.to(tl.float32) * x[None, :]
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        k = k0 + cols
-        k_mask = k < K
-        x = _gemv_input(x_ptr, res_ptr, nw_ptr, k, k_mask, inv, NORM)
-        tile_mask = row_mask[:, None] & k_mask[None, :]
-        w = tl.load(w_rows + k[None, :], mask=tile_mask, other=0.0)
-        acc += w.to(tl.float32) * x[None, :]
+    for r0 in range(start, end, BLOCK_N):
+        rows = r0 + tl.arange(0, BLOCK_N)
+        row_mask = rows < end
+        w_rows = w_ptr + rows[:, None] * stride_wn
+        x = _gemv_input(x_ptr, res_ptr, nw_ptr, cols, cols < K, inv, NORM)
+        acc = w.to(tl.float32) * x[None, :]
+        acc_up = acc
         if SILU_MUL:
-            w_up = tl.load(w_rows + inter * stride_wn + k[None, :], mask=tile_mask, other=0.0)
-            acc_up += w_up.to(tl.float32) * x[None, :]
-    out = tl.sum(acc, axis=1)
+            acc_up = w_up.to(tl.float32) * x[None, :]
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            k = k0 + cols
+            k_mask = k < K
+            x = _gemv_input(x_ptr, res_ptr, nw_ptr, k, k_mask, inv, NORM)
+            tile_mask = row_mask[:, None] & k_mask[None, :]
+            w = tl.load(w_rows + k[None, :], mask=tile_mask, other=0.0)
+            acc += w.to(tl.float32) * x[None, :]
+            if SILU_MUL:
+                w_up = tl.load(w_rows + inter * stride_wn + k[None, :], mask=tile_mask, other=0.0)
+                acc_up += w_up.to(tl.float32) * x[None, :]
+        # The next rows' first tile is on its way while these rows are reduced and stored.
+        w, w_up = _first_tile(w_ptr, rows + BLOCK_N, end, cols, K, inter, stride_wn, SILU_MUL)
+        out = tl.sum(acc, axis=1)
+        if SILU_MUL:
+            out = out * tl.sigmoid(out) * tl.sum(acc_up, axis=1)
+        tl.store(y_ptr + rows, out.to(y_ptr.dtype.element_ty), mask=row_mask)
+
+
+@triton.jit
+def _first_tile(w_ptr, rows, end, cols, K, inter, stride_wn, SILU_MUL: tl.constexpr):
+    """The [rows, :BLOCK_K] weight tile (and the matching up rows' one when fused), rows < end."""
+    mask = (rows < end)[:, None] & (cols < K)[None, :]
+    w_rows = w_ptr + rows[:, None] * stride_wn
+    w = tl.load(w_rows + cols[None, :], mask=mask, other=0.0)
+    w_up = w
     if SILU_MUL:
-        out = out * tl.sigmoid(out) * tl.sum(acc_up, axis=1)
-    tl.store(y_ptr + rows, out.to(y_ptr.dtype.element_ty), mask=row_mask)
+        w_up = tl.load(w_rows + inter * stride_wn + cols[None, :], mask=mask, other=0.0)
+    return w, w_up
 
 
 @triton.jit
@@ -212,15 +229,20 @@ def _config(block_n: int, block_k: int, warps: int, stages: int = 3, **extra: in
     )
 
 
-# (BLOCK_N, BLOCK_K, warps): from two rows per program with long loads to 32 rows with short ones,
-# each keeping at most 64 fp32 accumulators a thread (twice BLOCK_N x BLOCK_K / threads when
-# fused), so none spills. The list is the configs the H200 picked for the 4B and 9B shapes out of
-# three times as many candidates; every candidate costs a compile in each cold pre-capture sweep.
+# (BLOCK_N, BLOCK_K, warps, PER_SM): from two rows per program with long loads to 32 rows with
+# short ones, each keeping at most 64 fp32 accumulators a thread (twice BLOCK_N x BLOCK_K / threads
+# when fused), so none spills. PER_SM = 0: one program per BLOCK_N rows, the grid cut into waves
+# of resident programs, where a thin last wave leaves most SMs idle at the kernel's end. PER_SM > 0:
+# persistent, PER_SM programs per SM, each streaming an equal share of the rows BLOCK_N at a time,
+# so all finish together. The list is the configs the H200 picked for the 4B and 9B shapes out of
+# three times as many candidates; of five persistent ones tried (2026-12-01), the one kept won
+# out_proj and down_proj (N = 2560) in every run and the others no shape. Every candidate costs a
+# compile in each cold pre-capture sweep.
 _GEMV_CONFIGS = [
-    _config(n, k, w)
-    for n, k, w in [
-        (2, 1024, 4), (2, 2048, 8), (4, 512, 4), (4, 1024, 8), (8, 256, 4),
-        (8, 256, 8), (16, 128, 4), (16, 256, 8), (32, 128, 8),
+    _config(n, k, w, PER_SM=per_sm)
+    for n, k, w, per_sm in [
+        (2, 1024, 4, 0), (2, 2048, 8, 0), (4, 512, 4, 0), (4, 1024, 8, 0), (8, 256, 4, 0),
+        (8, 256, 8, 0), (16, 128, 4, 0), (16, 256, 8, 0), (32, 128, 8, 0), (2, 1024, 4, 16),
     ]
 ]  # fmt: skip
 # (BLOCK_N, BLOCK_K, warps, stages, SPLIT_K): weight rows per program x K depth x pipeline depth x
@@ -238,6 +260,8 @@ _GEMM_CONFIGS = [
 if max(c.kwargs["SPLIT_K"] for c in _GEMM_CONFIGS) > MAX_SPLIT_K:
     raise ValueError(f"a GEMM config splits K more than the split-K workspace holds ({MAX_SPLIT_K})")
 _FIXED_INTERPRETER_CONFIG: dict[str, Any] = {"BLOCK_N": 16, "BLOCK_K": 32}
+# The interpreter's GEMV programs per SM (0: one program per BLOCK_N rows; tests set others).
+INTERPRETER_GEMV_PER_SM = 0
 # The interpreter's K splits for GEMM shapes that may split (tests set more than 1).
 INTERPRETER_SPLIT_K = 1
 
@@ -296,7 +320,7 @@ def _run(
     the JIT's per-call dispatch, which dominate an eager batch-1 decode step."""
     autotuned, kernel = _KERNELS[kind]
     if _INTERPRET:
-        meta = {**constexprs, **_FIXED_INTERPRETER_CONFIG}
+        meta = {**_FIXED_INTERPRETER_CONFIG, **constexprs}
         kernel[grid_of(meta)](*args, **meta)
         return
     prepared = _prepared.get(key)
@@ -321,6 +345,15 @@ def _run(
     options = {"num_warps": best.num_warps, "num_stages": best.num_stages, "launch_pdl": meta["USE_PDL"]}
     _prepared[key] = (_fast_launch(kind), meta, constexpr_values, options)
     _fast_launch(kind)(grid_of(meta), *args, *constexpr_values, **options)
+
+
+def _gemv_grid(n: int, device: torch.device, meta: dict[str, Any]) -> tuple[int]:
+    blocks = cdiv(n, meta["BLOCK_N"])
+    if meta["PER_SM"] == 0:
+        return (blocks,)
+    # Off the GPU (the interpreter's tests) 4 "SMs": a few programs, each over several row blocks.
+    sms = sm_count(device) if device.type == "cuda" else 4
+    return (min(blocks, meta["PER_SM"] * sms),)
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, op: str) -> None:
@@ -385,11 +418,13 @@ def _launch(
     if m == 1:
         # Without a norm the norm's pointers are never read: x stands in for each of them.
         res, nw, h, eps = (x, x, x, 0.0) if norm is None else (norm.residual, norm.weight, norm.h, norm.eps)
-        grid_of = lambda meta: (cdiv(n_out, meta["BLOCK_N"]),)  # noqa: E731
+        grid_of = functools.partial(_gemv_grid, n_out, x.device)
         args = (x, w, y, res, nw, h, n_out, k, n_out, w.stride(0), eps)
         # Without a norm NORM_BLOCK is unused: one value keeps every K on the same compiled binary.
         norm_block = 1 if norm is None else min(next_pow2(k), _NORM_BLOCK_MAX)
         constexprs.update(NORM=norm is not None, NORM_BLOCK=norm_block)
+        if _INTERPRET:
+            constexprs["PER_SM"] = INTERPRETER_GEMV_PER_SM
     else:
         if norm is not None:
             raise ValueError("the skinny GEMM has no norm prologue: pre-norm rows with rms_norm first")

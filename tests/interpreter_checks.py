@@ -68,3 +68,19 @@ def assert_within(
     for key, err in errors.items():
         limit = tolerance.get(key, default)
         assert err <= limit, f"{name}.{key}: {measure} {err:.3g} > {limit}"
+
+
+def import_error(module: str, env: dict[str, str]) -> str:
+    """Imports ``module`` in a fresh interpreter with ``env`` added; returns its stderr, which must
+    come from a failed import (switches read at import time refuse bad values there)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", f"import {module}"],
+        env={**os.environ, **env, "PYTHONPATH": str(ROOT)},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    if proc.returncode == 0:
+        raise AssertionError(f"import {module} with {env} succeeded")
+    return proc.stderr

@@ -1,5 +1,5 @@
 """The GDN decode step on the GPU at the 4B geometry (TP 1): the fused kernel, the split path and
-the batch dispatch against ``gdn_decode_step_ref``, eager and inside CUDA graphs.
+the dispatch against ``gdn_decode_step_ref``, eager and inside CUDA graphs.
 
 bf16 output: relative error ≤ 1e-2; fp32 recurrent state ≤ 1e-3; conv state bit-exact; state
 slots outside the batch untouched. The reference runs on the same GPU tensors (plain torch)."""
@@ -78,12 +78,11 @@ def assert_matches(
 
 def _step(path: str) -> Callable[..., torch.Tensor]:
     from kernels import gdn_step_triton
-    from kernels.gdn_recurrent_triton import gdn_decode_step_split
 
     return {
         "dispatch": gdn_step_triton.gdn_decode_step_triton,
         "fused": gdn_step_triton.gdn_decode_step_fused,
-        "split": gdn_decode_step_split,
+        "split": gdn_step_triton.gdn_decode_step_split,
     }[path]
 
 
@@ -99,45 +98,54 @@ def test_decode_step_matches_reference(path: str, batch: int) -> None:
     assert_matches(y, inputs, y_ref, ref)
 
 
-def test_two_steps_in_a_row_match_reference() -> None:
+@pytest.mark.parametrize("path", ["fused", "split"])
+@pytest.mark.parametrize("batch", [1, 64])
+def test_two_steps_in_a_row_match_reference(path: str, batch: int) -> None:
     """The second step reads the conv and recurrent state the first one wrote."""
-    from kernels.gdn_recurrent_triton import gdn_decode_step_split
     from kernels.gdn_step import gdn_decode_step_ref
 
-    inputs = step_inputs(64)
+    inputs = step_inputs(batch)
     ref = with_state_copies(inputs)
     for _ in range(2):
-        y = call(gdn_decode_step_split, inputs)
+        y = call(_step(path), inputs)
         y_ref = call(gdn_decode_step_ref, ref)
     assert_matches(y, inputs, y_ref, ref)
 
 
+@pytest.mark.parametrize("path", ["fused", "split"])
 @pytest.mark.parametrize(
     ("geometry", "eager_batch", "graph_batch"),
     [(GEOMETRY_4B, 64, 64), (GEOMETRY_4B_TP8, 16, 32)],
     ids=["bucket-tuned-before-capture", "bucket-first-met-in-capture"],
 )
-def test_split_step_in_cuda_graph(
-    geometry: tuple[int, int, int, int], eager_batch: int, graph_batch: int
+def test_step_in_cuda_graph(
+    path: str, geometry: tuple[int, int, int, int], eager_batch: int, graph_batch: int
 ) -> None:
     """Captured after an eager warm-up (the graph sweep's order); a bucket never run eagerly
     borrows the nearest tuned bucket's tile inside the capture (no benchmarking there). Two
-    replays match two reference steps."""
-    from kernels.gdn_recurrent_triton import gdn_decode_step_split
+    replays match two reference steps and, where the bucket was tuned before capture (so eager and
+    graph run the same tile), equal the eager launches bit for bit."""
     from kernels.gdn_step import gdn_decode_step_ref
 
-    call(gdn_decode_step_split, step_inputs(eager_batch, geometry))
+    step = _step(path)
+    call(step, step_inputs(eager_batch, geometry))
     inputs = step_inputs(graph_batch, geometry)
     start = with_state_copies(inputs)
     torch.cuda.synchronize()
     stream = torch.cuda.Stream()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
-        y = call(gdn_decode_step_split, inputs)
+        y = call(step, inputs)
     inputs["conv_state"].copy_(start["conv_state"])
     inputs["state"].copy_(start["state"])
+    eager = with_state_copies(start)
     for _ in range(2):
         graph.replay()
+        y_eager = call(step, eager)
         y_ref = call(gdn_decode_step_ref, start)
     torch.cuda.synchronize()
     assert_matches(y, inputs, y_ref, start)
+    if eager_batch == graph_batch:
+        assert torch.equal(y, y_eager) and torch.equal(inputs["state"], eager["state"]), (
+            "replay differs from eager"
+        )

@@ -221,7 +221,7 @@ def test_split_k_gemm_matches_reference_and_replays_in_a_graph(
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, eager), f"split-K {split} graph replay at M={m} differs from eager"
-    _, arrivals = linear_split_k._workspaces[x.device]
+    _, arrivals = linear_split_k._WORKSPACE.current[x.device]
     assert arrivals.count_nonzero().item() == 0, "a split-K launch left arrival counters set"
 
 

@@ -1,5 +1,6 @@
-"""The GDN decode step's split path (conv, split recurrence, gated norm) and the dispatch of
-``gdn_decode_step_triton``, against ``gdn_decode_step_ref`` on CPU under ``TRITON_INTERPRET=1``.
+"""The GDN decode step's two CUDA paths (the fused kernel; the split path: the conv kernel, then the
+fused kernel without its conv) and the dispatch of ``gdn_decode_step_triton``, against
+``gdn_decode_step_ref`` on CPU under ``TRITON_INTERPRET=1``.
 
 As in ``test_kernels_triton.py`` the interpreted checks run in one child process (this file run
 as a script) so the interpreter never leaks into other tests; it prints one JSON line per check.
@@ -9,12 +10,13 @@ q/k/v, z, a and b as column slices of fused projections (row strides wider than 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import pytest
 import torch
 
-from tests.interpreter_checks import assert_within, report, run_interpreted
+from tests.interpreter_checks import assert_within, import_error, report, run_interpreted
 
 HK, HV, DK, DV, CONV_K = 2, 4, 32, 32, 4
 CONV_DIM = 2 * HK * DK + HV * DV
@@ -72,8 +74,9 @@ def _compare(step: Callable[..., torch.Tensor], batch: int, dtype: torch.dtype) 
     }
 
 
-def _dispatched(batch: int, dtype: torch.dtype, expect: str) -> dict[str, float]:
-    """Runs ``gdn_decode_step_triton``; ``wrong_path`` is 1.0 unless it took ``expect`` once."""
+def _dispatched(batch: int, dtype: torch.dtype, expect: str, path: str) -> dict[str, float]:
+    """Runs ``gdn_decode_step_triton`` with its path set as ``PHALANX_GDN=path`` sets it;
+    ``wrong_path`` is 1.0 unless it took ``expect`` once."""
     from kernels import gdn_step_triton
 
     taken: list[str] = []
@@ -88,21 +91,23 @@ def _dispatched(batch: int, dtype: torch.dtype, expect: str) -> dict[str, float]
 
     gdn_step_triton.gdn_decode_step_split = spy("split", split)
     gdn_step_triton.gdn_decode_step_fused = spy("fused", fused)
+    saved_path, gdn_step_triton.GDN_PATH = gdn_step_triton.GDN_PATH, path
     try:
         errors = _compare(gdn_step_triton.gdn_decode_step_triton, batch, dtype)
     finally:
         gdn_step_triton.gdn_decode_step_split, gdn_step_triton.gdn_decode_step_fused = split, fused
+        gdn_step_triton.GDN_PATH = saved_path
     return {**errors, "wrong_path": float(taken != [expect])}
 
 
 def check_split_small_fp32() -> dict[str, float]:
-    from kernels.gdn_recurrent_triton import gdn_decode_step_split
+    from kernels.gdn_step_triton import gdn_decode_step_split
 
     return _compare(gdn_decode_step_split, 3, torch.float32)
 
 
 def check_split_small_bf16() -> dict[str, float]:
-    from kernels.gdn_recurrent_triton import gdn_decode_step_split
+    from kernels.gdn_step_triton import gdn_decode_step_split
 
     errors = _compare(gdn_decode_step_split, 3, torch.bfloat16)
     errors["state_after_bf16_stages"] = errors.pop("state")
@@ -110,19 +115,67 @@ def check_split_small_bf16() -> dict[str, float]:
 
 
 def check_split_bf16_above_threshold() -> dict[str, float]:
-    from kernels.gdn_recurrent_triton import gdn_decode_step_split
+    from kernels.gdn_step_triton import gdn_decode_step_split
 
     errors = _compare(gdn_decode_step_split, 20, torch.bfloat16)
     errors["state_after_bf16_stages"] = errors.pop("state")
     return errors
 
 
-def check_dispatch_takes_split_at_batch_1() -> dict[str, float]:
-    return _dispatched(1, torch.float32, "split")
+def _fused(batch: int, dtype: torch.dtype) -> dict[str, float]:
+    """The fused kernel against the reference; run twice on equal inputs, it must give equal
+    outputs (nothing depends on which program arrives last) and leave its counters at zero."""
+    from kernels import gdn_step_triton
+
+    errors = _compare(gdn_step_triton.gdn_decode_step_fused, batch, dtype)
+    torch.manual_seed(1)
+    first = _step_output(gdn_step_triton.gdn_decode_step_fused, batch, dtype)
+    torch.manual_seed(1)
+    second = _step_output(gdn_step_triton.gdn_decode_step_fused, batch, dtype)
+    _, arrivals = gdn_step_triton._WORKSPACE.current[torch.device("cpu")]
+    errors["repeat_differs"] = float(not all(torch.equal(x, y) for x, y in zip(first, second, strict=True)))
+    errors["counters_left"] = float(arrivals.count_nonzero())
+    return errors
+
+
+def _step_output(step: Callable[..., torch.Tensor], batch: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    inputs = _step_inputs(batch, dtype)
+    names = ["mixed_qkv", "conv_weight", "conv_state", "z", "a", "b", "A_log", "dt_bias", "norm_weight"]
+    y = step(*(inputs[n] for n in names), 1e-6, inputs["state"], inputs["state_slots"])
+    return [y, inputs["state"], inputs["conv_state"]]
+
+
+def check_fused_small_fp32() -> dict[str, float]:
+    return _fused(3, torch.float32)
+
+
+def check_fused_small_bf16() -> dict[str, float]:
+    errors = _fused(3, torch.bfloat16)
+    errors["state_after_bf16_stages"] = errors.pop("state")
+    return errors
+
+
+def check_fused_bf16_batch_20() -> dict[str, float]:
+    errors = _fused(20, torch.bfloat16)
+    errors["state_after_bf16_stages"] = errors.pop("state")
+    return errors
+
+
+def check_dispatch_takes_split_by_default() -> dict[str, float]:
+    from kernels import gdn_step_triton
+
+    errors = _dispatched(3, torch.float32, "split", "split")
+    default = os.environ.get("PHALANX_GDN") is None
+    errors["default_not_split"] = float(default and gdn_step_triton.GDN_PATH != "split")
+    return errors
+
+
+def check_dispatch_takes_fused_when_asked() -> dict[str, float]:
+    return _dispatched(3, torch.float32, "fused", "fused")
 
 
 def check_tuning_bucket_is_the_graph_bucket_capped() -> dict[str, float]:
-    from kernels.gdn_recurrent_triton import MAX_TUNING_ROWS, tuning_bucket
+    from kernels.gdn_tiles import MAX_TUNING_ROWS, tuning_bucket
 
     return {
         "wrong_buckets": float([tuning_bucket(n) for n in (1, 3, 16, 17, 64)] != [1, 4, 16, 32, 64]),
@@ -139,7 +192,7 @@ def _error_text(fn: Callable[[], None]) -> str:
 
 
 def check_state_layout_errors_name_the_shapes() -> dict[str, float]:
-    from kernels.gdn_recurrent_triton import check_step_states
+    from kernels.gdn_step_triton import check_step_states
 
     conv_state = torch.zeros(4, CONV_DIM, CONV_K - 1)
     bf16_state = torch.zeros(4, HV, DK, DV, dtype=torch.bfloat16)
@@ -158,24 +211,26 @@ def check_state_layout_errors_name_the_shapes() -> dict[str, float]:
 
 
 def check_bucket_met_in_capture_borrows_nearest_tuned_tile() -> dict[str, float]:
-    from kernels import gdn_recurrent_triton as rec
+    from kernels.gdn_tiles import DEFAULT_TILE, TunedTiles
 
     rest = (2, 4, 128, 128, torch.bfloat16)
-    saved = dict(rec.TUNED_TILES)
-    rec.TUNED_TILES.clear()
-    rec.TUNED_TILES.update({(64, *rest): (64, 4), (16, *rest): (32, 2), (32, 9, 9): (8, 1)})
-    try:
-        return {
-            "equidistant_not_smaller_bucket": float(rec._tile_for_capture((32, *rest)) != (32, 2)),
-            "same_bucket_not_taken": float(rec._tile_for_capture((64, *rest)) != (64, 4)),
-            "other_heads_not_default": float(
-                rec._tile_for_capture((32, 3, 6, 128, 128, torch.bfloat16))
-                != (rec.DEFAULT_BV, rec.DEFAULT_WARPS)
-            ),
-        }
-    finally:
-        rec.TUNED_TILES.clear()
-        rec.TUNED_TILES.update(saved)
+    tuned = TunedTiles("test kernel")
+    tuned.tiles.update({(64, *rest): (64, 4), (16, *rest): (32, 2), (32, 9, 9): (8, 1)})
+    tune_calls: list[int] = []
+    return {
+        "equidistant_not_smaller_bucket": float(tuned.for_capture((32, *rest)) != (32, 2)),
+        "same_bucket_not_taken": float(tuned.for_capture((64, *rest)) != (64, 4)),
+        "other_heads_not_default": float(
+            tuned.for_capture((32, 3, 6, 128, 128, torch.bfloat16)) != DEFAULT_TILE
+        ),
+        "capture_tuned": float(
+            tuned.tile((8, *rest), True, lambda: tune_calls.append(8) or (8, 1)) != (32, 2)
+            or bool(tune_calls)
+        ),
+        "eager_not_tuned_and_kept": float(
+            tuned.tile((8, *rest), False, lambda: (16, 2)) != (16, 2) or tuned.tiles[(8, *rest)] != (16, 2)
+        ),
+    }
 
 
 CHECKS: dict[str, Callable[[], dict[str, float]]] = {
@@ -194,8 +249,37 @@ def interpreted_results() -> dict[str, dict[str, object]]:
 
 
 @pytest.mark.parametrize("name", sorted(CHECKS))
-def test_split_step_matches_reference(name: str, interpreted_results: dict[str, dict[str, object]]) -> None:
+def test_gdn_step_matches_reference(name: str, interpreted_results: dict[str, dict[str, object]]) -> None:
     assert_within(interpreted_results, name, TOLERANCE, EXACT, measure="error")
+
+
+def test_tile_prune_keeps_enough_programs_at_small_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At 132 SMs and 32 value heads of dv = 128: batch 1 keeps only tiles giving >= 132 programs
+    (BV 8 and 16), batch 8 keeps every tile up to dv, and a tiny head count keeps the narrowest."""
+    import types
+
+    import triton
+
+    from kernels import gdn_tiles
+
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(multi_processor_count=132)
+    )
+    configs = [triton.Config({"BV": bv}, num_warps=w) for bv, w in gdn_tiles.TUNING_SPACE]
+    state = types.SimpleNamespace(device=torch.device("cuda", 0))
+
+    def kept(bucket: int, hv: int) -> set[int]:
+        named = {"state_ptr": state, "tuning_bucket": bucket}
+        return {c.kwargs["BV"] for c in gdn_tiles._prune_configs(configs, named, HV=hv, DV=128)}
+
+    assert kept(1, 32) == {8, 16}
+    assert kept(8, 32) == {8, 16, 32, 64, 128}
+    assert kept(1, 2) == {8}
+
+
+def test_unknown_gdn_path_is_refused() -> None:
+    stderr = import_error("kernels.gdn_step_triton", {"PHALANX_GDN": "both"})
+    assert "PHALANX_GDN='both' is not one of split, fused" in stderr
 
 
 def test_bench_gdn_is_a_bench_kind_and_needs_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:

@@ -9,14 +9,10 @@ multiples of any block, and non-contiguous x rows.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from tests.interpreter_checks import ROOT, report, run_interpreted
+from tests.interpreter_checks import import_error, report, run_interpreted
 
 BF16 = torch.bfloat16
 ROWS = (1, 3, 8, 17, 64, 80)
@@ -88,7 +84,7 @@ def _split_k_case(m: int) -> dict[str, float]:
         fused = linear_triton.linear_silu_and_mul_triton(x, w_gate_up)
     finally:
         linear_triton.INTERPRETER_SPLIT_K = 1
-    _, arrivals = linear_split_k._workspaces[x.device]
+    _, arrivals = linear_split_k._WORKSPACE.current[x.device]
     return {
         "split_k": _rel(first, linear_ref(x, w)),
         "split_k_repeat_differs": float(not torch.equal(first, second)),
@@ -97,8 +93,31 @@ def _split_k_case(m: int) -> dict[str, float]:
     }
 
 
+def _persistent_gemv_case(n: int, k: int) -> dict[str, float]:
+    """The GEMV with a persistent grid (``PER_SM`` programs per SM; the interpreter counts 4 SMs):
+    with 2 per SM and BLOCK_N = 16, up to 8 programs share the N rows unevenly, each over one or
+    several row blocks, the last one partly masked. Every output row must be written (the output
+    is poisoned with NaN first), plain, fused with SiLU and pre-normed."""
+    from kernels import linear_triton
+
+    linear_triton.INTERPRETER_GEMV_PER_SM = 2
+    try:
+        errors = _case(1, n, k)
+        x, w = torch.randn(1, k).to(BF16), (torch.randn(n, k) * k**-0.5).to(BF16)
+        out = torch.full((1, n), float("nan")).to(BF16)
+        linear_triton.linear_triton(x, w, out=out)
+        errors["rows_unwritten"] = float(torch.isnan(out).sum())
+    finally:
+        linear_triton.INTERPRETER_GEMV_PER_SM = 0
+    return errors
+
+
 CASES = {f"m{m}_n{n}_k{k}": (lambda m=m, n=n, k=k: _case(m, n, k)) for m in ROWS for n, k in SHAPES}
 CASES.update({f"split_k_m{m}": (lambda m=m: _split_k_case(m)) for m in (3, 17, 80)})
+PERSISTENT_SHAPES = ((300, 100), (37, 130))  # 8 programs of 37-38 rows in 3 blocks; 3 of 12-13 rows
+CASES.update(
+    {f"persistent_n{n}_k{k}": (lambda n=n, k=k: _persistent_gemv_case(n, k)) for n, k in PERSISTENT_SHAPES}
+)
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +138,20 @@ def test_triton_linear_matches_reference(
     for key, err in errors.items():
         bound = NORM_TOLERANCE if key.startswith("norm") else TOLERANCE
         assert err <= bound, f"m={m} n={n} k={k} {key}: relative error {err:.3g} > {bound}"
+
+
+@pytest.mark.parametrize("n,k", PERSISTENT_SHAPES)
+def test_persistent_gemv_writes_every_row_and_matches_reference(
+    n: int, k: int, interpreted: dict[str, dict[str, object]]
+) -> None:
+    record = interpreted.get(f"persistent_n{n}_k{k}")
+    assert record is not None and "exception" not in record, record
+    errors = record["errors"]
+    assert isinstance(errors, dict)
+    assert errors.pop("rows_unwritten") == 0.0, "the persistent GEMV left output rows unwritten"
+    for key, err in errors.items():
+        bound = NORM_TOLERANCE if key.startswith("norm") else TOLERANCE
+        assert err <= bound, f"persistent n={n} k={k} {key}: relative error {err:.3g} > {bound}"
 
 
 @pytest.mark.parametrize("m", (3, 17, 80))
@@ -184,17 +217,8 @@ def test_triton_linear_rejects_mismatched_shapes() -> None:
 
 
 def test_unknown_linear_backend_is_refused() -> None:
-    env = {**os.environ, "PHALANX_LINEAR": "magma", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, "-c", "import kernels.ops"],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert proc.returncode != 0
-    assert "PHALANX_LINEAR='magma' is not one of auto, cublas, triton" in proc.stderr
+    stderr = import_error("kernels.ops", {"PHALANX_LINEAR": "magma"})
+    assert "PHALANX_LINEAR='magma' is not one of auto, cublas, triton" in stderr
 
 
 if __name__ == "__main__":

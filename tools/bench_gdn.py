@@ -1,14 +1,14 @@
 """``phalanx bench gdn``: the Gated DeltaNet decode step of one layer, fused kernel vs split path.
 
-Per batch size and path (``fused``: the single-kernel step; ``split``: conv, the recurrence split
-over dv, gated norm; ``dispatch``: what ``gdn_decode_step_triton`` picks; ``copy``: a plain
+Per batch size and path (``fused``: the single-kernel step; ``split``: the conv kernel, then the
+step kernel without its conv; ``dispatch``: what ``gdn_decode_step_triton`` takes; ``copy``: a plain
 ``copy_`` of the same recurrent state bytes, the attainable figure) the step is timed inside
 a CUDA graph of ``--calls`` back-to-back calls, so Python launch cost is excluded. The calls cycle
 over enough distinct state tensors (each one layer's worth: [batch, Hv, dk, dv] fp32 plus the conv
 state) that the state streams from HBM rather than L2, as it does across a model's layers. The
 traffic figure is 2 x the recurrent state bytes (read once, written once) over the time per call,
 against the H200's measured 4.3 TB/s copy bandwidth. Every path runs eagerly before capture, so
-compilation and the split path's autotuning stay outside the timed graphs.
+compilation and autotuning stay outside the timed graphs.
 """
 
 from __future__ import annotations
@@ -56,11 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _step_fn(path: str) -> Callable[..., torch.Tensor]:
     from kernels import gdn_step_triton
-    from kernels.gdn_recurrent_triton import gdn_decode_step_split
 
     return {
         "fused": gdn_step_triton.gdn_decode_step_fused,
-        "split": gdn_decode_step_split,
+        "split": gdn_step_triton.gdn_decode_step_split,
         "dispatch": gdn_step_triton.gdn_decode_step_triton,
     }[path]
 
@@ -152,15 +151,17 @@ def time_path(batch: int, path: str, args: argparse.Namespace, device: torch.dev
 
 
 def _tile(batch: int, path: str, args: argparse.Namespace) -> str:
-    from kernels.gdn_recurrent_triton import TUNED_TILES, tuning_bucket
+    from kernels import gdn_step_triton
+    from kernels.gdn_tiles import tuning_bucket
 
     if path == "copy":
         return "torch copy_ of the state"
-    if path == "fused":
-        return "one program per (row, key head), 8 warps"
-    heads = (args.key_heads, args.value_heads, args.head_dim, args.head_dim)
+    conv = path == "fused" or (path == "dispatch" and gdn_step_triton.GDN_PATH == "fused")
+    heads = (args.key_heads, args.value_heads, args.head_dim, args.head_dim, conv)
     tiles = {
-        tile for key, tile in TUNED_TILES.items() if key[0] == tuning_bucket(batch) and key[1:5] == heads
+        tile
+        for key, tile in gdn_step_triton.TUNED.tiles.items()
+        if key[0] == tuning_bucket(batch) and key[1:6] == heads
     }
     return ", ".join(f"BV={bv} warps={w}" for bv, w in sorted(tiles)) or "untuned"
 

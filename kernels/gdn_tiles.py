@@ -1,0 +1,137 @@
+"""The [dk, BV] state tiles of the GDN decode step kernel: their tuning space and the tuned pick per batch.
+
+The decode step kernel (``kernels/gdn_step_triton.py``) splits the recurrent state over dv into
+tiles of width BV, run with a warp count; both are tuned per batch bucket. Tuning runs the in-place
+step many times, so it runs on scratch state rows, never on live state, and never inside a CUDA
+graph capture: a bucket first met there borrows the tile of the nearest tuned bucket of the same
+heads (its binary is already compiled), else a default.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable
+
+import structlog
+import triton
+
+from kernels.launch import next_pow2, sm_count
+from kernels.parallel_compile import precompiling
+
+log = structlog.get_logger(__name__)
+
+# (BV, num_warps): at dk = 128 every config holds 16..64 fp32 state elements per thread (more
+# would spill); narrow tiles make more, smaller programs, wide ones fewer reductions per byte.
+TUNING_SPACE = (
+    (8, 1),
+    (8, 2),
+    (16, 1),
+    (16, 2),
+    (16, 4),
+    (32, 2),
+    (32, 4),
+    (32, 8),
+    (64, 4),
+    (64, 8),
+    (128, 8),
+)
+# For a shape first met inside a CUDA-graph capture with no tuned neighbour.
+DEFAULT_TILE = (32, 4)
+# Under TRITON_INTERPRET=1 (no timing): narrow, so the CPU tests' dv = 32 spans two programs.
+INTERPRET_TILE = (16, 4)
+# Tuning runs on scratch state rows (never on live state); batches above this reuse its choice,
+# which bounds the scratch at MAX_TUNING_ROWS requests' state (128 MiB at the 4B geometry).
+MAX_TUNING_ROWS = 64
+
+Tile = tuple[int, int]
+
+
+def tuning_bucket(batch: int) -> int:
+    """The autotuning key's batch: the graph bucket (power of two), capped at MAX_TUNING_ROWS."""
+    return min(next_pow2(max(batch, 1)), MAX_TUNING_ROWS)
+
+
+def launch_options(tile: Tile) -> dict[str, object]:
+    """The launch options exactly as the autotuner passes them, so a tuned tile's binary is reused."""
+    return triton.Config({}, num_warps=tile[1]).all_kwargs()
+
+
+def _prune_configs(
+    configs: list[triton.Config], named_args: dict[str, object], **kwargs: object
+) -> list[triton.Config]:
+    """Drops tiles wider than dv (all-masked columns) and, at small batches, tiles that give fewer
+    programs than the GPU has SMs; keeps at least the narrowest. The autotuner times each tile
+    alone, after a flush: there a few wide programs can look as fast as many narrow ones, while in
+    a decode step, under the kernel before it, they leave most SMs idle (on the H200, batch 1 once
+    tuned to 32 programs of BV = 128)."""
+
+    def arg(name: str) -> int:
+        return int(kwargs.get(name, named_args.get(name, 0)))  # type: ignore[call-overload]
+
+    dv, rows = arg("DV"), arg("HV") * arg("tuning_bucket")
+    device = named_args["state_ptr"].device  # type: ignore[union-attr]
+    sms = sm_count(device) if device.type == "cuda" else 1
+    fitting = [
+        c for c in configs if c.kwargs["BV"] <= next_pow2(dv) and rows * -(-dv // c.kwargs["BV"]) >= sms
+    ]
+    return fitting or [min(configs, key=lambda c: c.kwargs["BV"])]
+
+
+def _short_bench(fn: object, quantiles: tuple[float, ...]) -> list[float]:
+    # A few ms per config: the sweep tunes up to 11 configs for each tuning bucket.
+    return triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles)
+
+
+# Older Triton releases have no do_bench hook; they then bench with their defaults (slower sweep).
+_BENCH = {"do_bench": _short_bench} if "do_bench" in inspect.signature(triton.autotune).parameters else {}
+
+
+def autotuned(kernel: object, key: list[str]) -> object:
+    """``kernel`` (a ``@triton.jit`` with a ``BV`` constexpr and a ``DV`` argument) autotuned over
+    TUNING_SPACE per ``key``; its candidates compile in parallel in the graph sweep's warm-up."""
+    return triton.autotune(
+        configs=[triton.Config({"BV": bv}, num_warps=w) for bv, w in TUNING_SPACE],
+        key=key,
+        prune_configs_by={"early_config_prune": precompiling(kernel, _prune_configs)},
+        **_BENCH,
+    )(kernel)
+
+
+class TunedTiles:
+    """One kernel's tuned tile per key. A key is (bucket, Hk, Hv, dk, dv, ..., dtypes, device):
+    Triton's autotuner keys on the named arguments plus every tensor argument's dtype, and this key
+    must hit exactly when Triton's does, or Triton would benchmark on live state."""
+
+    def __init__(self, kernel: str) -> None:
+        self.kernel = kernel
+        self.tiles: dict[tuple[object, ...], Tile] = {}
+        self._untuned_in_capture_logged: set[tuple[object, ...]] = set()
+
+    def tile(self, key: tuple[object, ...], capturing: bool, tune: Callable[[], Tile]) -> Tile:
+        """The tile for ``key``: tuned before (or now, by ``tune``, on scratch rows), or borrowed
+        inside a capture."""
+        tile = self.tiles.get(key)
+        if tile is None:
+            tile = self.for_capture(key) if capturing else self.record(key, tune())
+        return tile
+
+    def record(self, key: tuple[object, ...], tile: Tile) -> Tile:
+        self.tiles[key] = tile
+        log.info(f"{self.kernel} tuned", bucket=key[0], heads=key[1:3], tile=tile)
+        return tile
+
+    def for_capture(self, key: tuple[object, ...]) -> Tile:
+        """A tile for a batch bucket first met inside a graph capture, where benchmarking would
+        break the capture: the tile tuned for the nearest bucket of the same heads (its kernel is
+        already compiled; the smaller bucket on a tie), else the default one."""
+        nearest = sorted(
+            (abs(math.log2(k[0]) - math.log2(key[0])), k[0], tile)
+            for k, tile in self.tiles.items()
+            if k[1:] == key[1:]
+        )
+        tile = nearest[0][2] if nearest else DEFAULT_TILE
+        if key not in self._untuned_in_capture_logged:
+            self._untuned_in_capture_logged.add(key)
+            log.warning(f"{self.kernel} untuned at graph capture", bucket=key[0], heads=key[1:3], tile=tile)
+        return tile
