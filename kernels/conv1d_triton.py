@@ -27,6 +27,13 @@ def conv_state_window(state_rows, tap, mask, K: tl.constexpr):
 
 
 @triton.jit
+def store_conv_state(state_rows, shifted, mask, tap, K: tl.constexpr):
+    """Writes ``conv_step``'s new stored inputs back to the channels ``state_rows``."""
+    stored = mask[:, None] & (tap < K - 1)[None, :]
+    tl.store(state_rows[:, None] + tap[None, :], shifted.to(state_rows.dtype.element_ty), mask=stored)
+
+
+@triton.jit
 def conv_step(old, later, x, w, tap, K: tl.constexpr):
     """One decode step of depthwise causal conv + SiLU from ``conv_state_window``'s views, the new
     inputs x [C] and the weights w [C, TAPS]: (silu(conv) in fp32, the new stored inputs [C, TAPS],
@@ -69,8 +76,7 @@ def _conv_decode_kernel(
     y, shifted = conv_step(old, later, x, w, tap, K)
     # Another thread may hold the old value of an element this thread overwrites: all reads first.
     tl.debug_barrier()
-    stored = mask[:, None] & (tap < K - 1)[None, :]
-    tl.store(state_rows[:, None] + tap[None, :], shifted.to(state_ptr.dtype.element_ty), mask=stored)
+    store_conv_state(state_rows, shifted, mask, tap, K)
     tl.store(y_ptr + b * stride_y + ch, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 

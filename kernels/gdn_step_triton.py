@@ -34,13 +34,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.conv1d_triton import causal_conv1d_decode_triton, conv_state_window, conv_step
+from kernels.conv1d_triton import causal_conv1d_decode_triton, conv_state_window, conv_step, store_conv_state
 from kernels.gdn_step import gdn_split_sizes
 from kernels.gdn_tiles import INTERPRET_TILE, Tile, TunedTiles, autotuned, launch_options, tuning_bucket
 from kernels.gdn_triton import l2_normalize, softplus_gate
 from kernels.launch import FastLaunch, cdiv, next_pow2, pdl_enabled, wait_for_producer
 from kernels.workspace import GrowOnlyWorkspace
 
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # PHALANX_GDN=split|fused (read once, here): the decode step's path at every batch size. On the
 # H200 at the 4B geometry (TP 1, 2026-12-01, one machine, two processes) the split path gave the
 # faster CUDA-graph step at batch 1, 2.77 against 2.97 ms, and the same at 64 (5.37 ms), although
@@ -62,12 +63,6 @@ def _conv_channels(cw_ptr, cs_row, ch, mask, tap, K: tl.constexpr):
     old, later = conv_state_window(state_rows, tap, mask, K)
     w = tl.load(cw_ptr + ch[:, None] * K + tap[None, :], mask=mask[:, None] & (tap < K)[None, :], other=0.0)
     return state_rows, old, later, w
-
-
-@triton.jit
-def _store_conv_state(state_rows, shifted, mask, tap, K: tl.constexpr):
-    stored = mask[:, None] & (tap < K - 1)[None, :]
-    tl.store(state_rows[:, None] + tap[None, :], shifted.to(state_rows.dtype.element_ty), mask=stored)
 
 
 # tuning_bucket only keys the autotuner: unspecialised, bucket 1 compiles the same binary as 64.
@@ -131,7 +126,7 @@ def _step_kernel(
     tl.debug_barrier()
     tl.store(s_ptrs, s, mask=s_mask, eviction_policy="evict_first")
     if CONV:
-        _store_conv_state(v_rows, v_new, v_mask, tap, K)  # this program's v channels are its own
+        store_conv_state(v_rows, v_new, v_mask, tap, K)  # this program's v channels are its own
     o_ws_row = o_ws_ptr + (row * HV + kh * RATIO) * DV  # the key head's value heads, consecutive
     tl.store(o_ws_row + (h - kh * RATIO) * DV + dv, o, mask=v_mask)
 
@@ -141,8 +136,8 @@ def _step_kernel(
     counter = arrivals_ptr + row * HK + kh
     if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == RATIO * NVB - 1:
         if CONV:
-            _store_conv_state(q_rows, q_new, k_mask, tap, K)
-            _store_conv_state(k_rows, k_new, k_mask, tap, K)
+            store_conv_state(q_rows, q_new, k_mask, tap, K)
+            store_conv_state(k_rows, k_new, k_mask, tap, K)
         cols = tl.arange(0, BDV)
         cols_mask = cols < DV
         nw = tl.load(nw_ptr + cols, mask=cols_mask, other=0.0).to(tl.float32)
@@ -250,7 +245,7 @@ def _step(
         BDV=next_pow2(dv),
         CONV=conv,
     )
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if _INTERPRET:
         step.launch(shape, batch, INTERPRET_TILE)
         return y
     key = (bucket, hk, hv, dk, dv, conv, *(t.dtype for t in tensors), state.device)

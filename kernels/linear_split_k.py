@@ -104,6 +104,6 @@ def split_k_workspace(
     partials_needed = MAX_SPLIT_K * (2 if silu_mul else 1) * m_blocks * block_m * n
     counters_needed = m_blocks * triton.cdiv(n, 16)
     partials, arrivals = _WORKSPACE.get(
-        device, (partials_needed, counters_needed), needed_for=f"{m_blocks * block_m} x {n}"
+        device, (partials_needed, counters_needed), f"{m_blocks * block_m} x {n}"
     )
     return partials, arrivals
