@@ -102,7 +102,8 @@ def causal_conv1d_decode_triton(
     _check_state(conv_state, channels, kernel)
     if x.stride(-1) != 1:
         x = x.contiguous()
-    weight = weight.contiguous()
+    if not weight.is_contiguous():
+        weight = weight.contiguous()
     y = torch.empty((batch, channels), dtype=x.dtype, device=x.device)
     if batch == 0:
         return y

@@ -189,10 +189,9 @@ def gdn_decode_step_split(
     mixed_qkv: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.Tensor, *args: Any
 ) -> torch.Tensor:
     """``gdn_decode_step`` as the conv kernel, then the step kernel without its conv."""
-    conv_dim, kernel = mixed_qkv.shape[1], conv_weight.shape[-1]
-    conv_out = causal_conv1d_decode_triton(
-        mixed_qkv, conv_weight.reshape(conv_dim, kernel), conv_state, args[-1]
-    )
+    if conv_weight.dim() != 2:  # the model keeps it [conv_dim, K] already
+        conv_weight = conv_weight.reshape(mixed_qkv.shape[1], conv_weight.shape[-1])
+    conv_out = causal_conv1d_decode_triton(mixed_qkv, conv_weight, conv_state, args[-1])
     return _step(conv_out, conv_weight, conv_state, *args, conv=False)
 
 
@@ -248,10 +247,13 @@ def _step(
     if _INTERPRET:
         step.launch(shape, batch, INTERPRET_TILE)
         return y
-    key = (bucket, hk, hv, dk, dv, conv, *(t.dtype for t in tensors), state.device)
-    tile = TUNED.tile(
-        key, torch.cuda.is_current_stream_capturing(), lambda: step.tune_on_scratch(shape, bucket)
-    )
+    # The tile is a speed choice only (FastLaunch keys the binary on every argument's dtype), so
+    # the model dtype stands for the others.
+    key = (bucket, hk, hv, dk, dv, conv, x.dtype, state.device)
+    tile = TUNED.tiles.get(key)
+    if tile is None:
+        capturing = torch.cuda.is_current_stream_capturing()
+        tile = TUNED.tile(key, capturing, lambda: step.tune_on_scratch(shape, bucket))
     step.launch(shape, batch, tile)
     return y
 

@@ -9,6 +9,7 @@ heads (its binary is already compiled), else a default.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from collections.abc import Callable
@@ -52,8 +53,10 @@ def tuning_bucket(batch: int) -> int:
     return min(next_pow2(max(batch, 1)), MAX_TUNING_ROWS)
 
 
+@functools.cache
 def launch_options(tile: Tile) -> dict[str, object]:
-    """The launch options exactly as the autotuner passes them, so a tuned tile's binary is reused."""
+    """The launch options exactly as the autotuner passes them, so a tuned tile's binary is reused
+    (made once per tile: every eager decode step launches with them). Callers must not modify it."""
     return triton.Config({}, num_warps=tile[1]).all_kwargs()
 
 

@@ -227,3 +227,30 @@ def test_state_slot_layout_completes_the_decode_region_to_the_top_bucket() -> No
     assert (layout.spare_base, layout.total) == (10, 13)
     assert state_slot_layout(5, cuda_graph=False).total == 10
     assert state_slot_layout(8, cuda_graph=True).total == 16
+
+
+def test_staging_writes_rows_and_page_table_and_pads_the_bucket(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a step stages into the static buffers (through numpy views of the host buffers): the
+    rows' tokens, positions and slots, zeros and free slots for the padding rows, the rows' page ids
+    and the padding page below them. The page-table views are rebuilt after the cache is full."""
+    monkeypatch.setattr(graphs, "_TABLE_VIEWS_KEPT", 2)
+    geometry = GraphGeometry(
+        max_batch=MAX_BATCH, max_pages=6, padding_page=KV_PAGES, spare_slot_base=LAYOUT.spare_base,
+        hidden_size=8, dtype=torch.float32,
+    )  # fmt: skip
+    runner = DecodeGraphRunner(object(), geometry, CPU)
+    for width in (1, 2, 3, 2):  # four widths through a cache of two
+        table = torch.arange(3 * width, dtype=torch.int32).view(3, width) + 7
+        batch = DecodeBatch(
+            tokens=torch.tensor([11, 12, 13]),
+            positions=torch.tensor([5, 6, 7]),
+            state_slots=torch.tensor([2, 0, 1]),
+            page_table=table,
+        )
+        assert runner._stage_rows(batch, 4, occupied=()) == width
+        assert runner._tokens[:4].tolist() == [11, 12, 13, 0]
+        assert runner._positions[:4].tolist() == [5, 6, 7, 0]
+        assert runner._slots[:3].tolist() == [2, 0, 1] and runner._slots[3].item() not in (0, 1, 2)
+        assert torch.equal(runner._page_table[:3, :width], table)
+        assert runner._page_table[3, :width].tolist() == [KV_PAGES] * width
+        assert len(runner._table_view_cache) <= 2

@@ -84,6 +84,34 @@ def test_a_new_specialisation_goes_through_the_jit(kernel: _Kernel, change: str)
     assert [entry[0] for entry in kernel.log] == ["jit", "jit"], change
 
 
+@pytest.mark.parametrize(
+    "changed",
+    [(7.5, "a float where the first launch had an integer"), (None, "None where it had an integer")],
+)
+def test_an_argument_of_another_kind_takes_the_general_key(
+    kernel: _Kernel, changed: tuple[object, str]
+) -> None:
+    """The fast key is generated from the first launch's argument kinds; an argument of another
+    kind must fall back to the general key (a JIT launch), and never reuse the first binary."""
+    value, what = changed
+    fast = launch.FastLaunch(kernel)
+    x = torch.zeros(64)
+    fast((1,), x, 7, 128, num_warps=4)
+    fast((1,), x, value, 128, num_warps=4)
+    fast((1,), x, value, 128, num_warps=4)  # the general key caches that specialisation too
+    fast((1,), x, 9, 128, num_warps=4)  # and the first kind still takes the fast key
+    assert [entry[0] for entry in kernel.log] == ["jit", "jit", "fast", "fast"], what
+    assert kernel.log[1][2][1] is value
+
+
+def test_a_tensor_where_the_first_launch_had_an_integer_is_a_new_specialisation(kernel: _Kernel) -> None:
+    fast = launch.FastLaunch(kernel)
+    x = torch.zeros(64)
+    fast((1,), x, 7, 128, num_warps=4)
+    fast((1,), x, torch.tensor(7), 128, num_warps=4)
+    assert [entry[0] for entry in kernel.log] == ["jit", "jit"]
+
+
 def test_a_constexpr_before_runtime_parameters_is_keyed_by_value(kernel: _Kernel) -> None:
     """(BLOCK: constexpr, x_ptr, n): the key tests each position instead of splitting the tail."""
     kernel.params = [SimpleNamespace(num=0, is_constexpr=True), SimpleNamespace(num=1, is_constexpr=False),

@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import structlog
 import torch
 import torch.distributed as dist
@@ -124,6 +125,10 @@ def padding_slots(
     return free
 
 
+# Page-table views kept for reuse, one per (bucket, width) seen; widths grow a page at a time.
+_TABLE_VIEWS_KEPT = 256
+
+
 class DecodeGraphRunner:
     """Bucketed static-buffer decode for one rank, with CUDA graphs where they can be used."""
 
@@ -156,6 +161,8 @@ class DecodeGraphRunner:
         self._host_rows = torch.zeros((3, top), dtype=torch.int64, pin_memory=pin)
         # Contiguous [bucket, width] staging for the page-table columns a step uses.
         self._host_table = torch.zeros(top * geometry.max_pages, dtype=torch.int32, pin_memory=pin)
+        self._host_rows_np = self._host_rows.numpy()
+        self._table_view_cache: dict[tuple[int, int], tuple[np.ndarray, torch.Tensor, torch.Tensor]] = {}
 
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
@@ -320,38 +327,52 @@ class DecodeGraphRunner:
     # ------------------------------------------------------------------ static buffers
 
     def _stage_rows(self, batch: DecodeBatch, bucket: int, occupied: Collection[int]) -> int:
-        n = int(batch.tokens.shape[0])
+        # Filled through numpy views of the pinned buffers: a step's staging is on the critical
+        # path of every decode step, and a numpy slice assignment costs a fraction of a torch op.
+        n = batch.tokens.shape[0]
         if self._staged is not None:
-            self._staged.synchronize()
-        real_slots = batch.state_slots.tolist()
-        pad = padding_slots(real_slots, bucket, self._candidates, occupied)
-        width = int(batch.page_table.shape[1])
+            self._staged.synchronize()  # the previous step's copies have read the pinned buffers
+        slots = batch.state_slots.numpy()
+        pad = padding_slots(slots.tolist(), bucket, self._candidates, occupied)
+        width = batch.page_table.shape[1]
         if width > self.geometry.max_pages:
             raise GraphError(
                 f"decode row page table has {width} pages, more than the graph page-table width "
                 f"{self.geometry.max_pages}"
             )
-        host_tokens, host_positions, host_slots = self._host_rows.unbind(0)
-        host_tokens[:n].copy_(batch.tokens)
-        host_tokens[n:bucket].zero_()
-        host_positions[:n].copy_(batch.positions)
-        host_positions[n:bucket].zero_()
-        host_slots[:n].copy_(batch.state_slots)
+        rows = self._host_rows_np
+        rows[0, :n] = batch.tokens.numpy()
+        rows[1, :n] = batch.positions.numpy()
+        rows[2, :n] = slots
+        rows[:2, n:bucket] = 0
         if pad:
-            host_slots[n:bucket].copy_(torch.tensor(pad, dtype=torch.int64))
+            rows[2, n:bucket] = pad
         # All three rows in one contiguous copy (6 KB at most; columns past the bucket are unused).
         self._rows.copy_(self._host_rows, non_blocking=True)
         # Columns past a row's own pages keep older (valid) page ids: a kernel reads only up
         # to the row's position. Padding rows sit at position 0 and read the padding page.
         columns = max(width, 1)
-        table = self._host_table[: bucket * columns].view(bucket, columns)
-        table[:n, :width].copy_(batch.page_table)
-        table[n:].fill_(self.geometry.padding_page)
-        self._page_table[:bucket, :columns].copy_(table, non_blocking=True)
+        table, host_table, device_table = self._table_views(bucket, columns)
+        table[:n, :width] = batch.page_table.numpy()
+        table[n:] = self.geometry.padding_page
+        device_table.copy_(host_table, non_blocking=True)
         if self.device.type == "cuda":
-            self._staged = torch.cuda.Event()
+            if self._staged is None:
+                self._staged = torch.cuda.Event()
             self._staged.record()
-        return max(width, 1)
+        return columns
+
+    def _table_views(self, bucket: int, columns: int) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
+        """A [bucket, columns] page table's pinned staging (numpy and torch views of one buffer) and
+        its device view, made once each."""
+        views = self._table_view_cache.get((bucket, columns))
+        if views is None:
+            if len(self._table_view_cache) >= _TABLE_VIEWS_KEPT:  # widths grow with the context
+                self._table_view_cache.clear()
+            host = self._host_table[: bucket * columns].view(bucket, columns)
+            views = (host.numpy(), host, self._page_table[:bucket, :columns])
+            self._table_view_cache[(bucket, columns)] = views
+        return views
 
     def _stage_padding_only(self, bucket: int) -> None:
         """Every row padding: what the sweep captures and launches (all slots are free then)."""
