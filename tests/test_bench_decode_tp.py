@@ -56,6 +56,16 @@ def test_tp_degrees_refuse_nonsense() -> None:
         bench_decode.tp_degrees("0,2")
 
 
+def test_prefill_length_is_zero_or_a_prompt_length() -> None:
+    assert bench_decode.prefill_length("0") == 0 and bench_decode.prefill_length("4096") == 4096
+    with pytest.raises(
+        argparse.ArgumentTypeError, match="must be 0 \\(no prefill figure\\) or a prompt length, got -1"
+    ):
+        bench_decode.prefill_length("-1")
+    with pytest.raises(argparse.ArgumentTypeError, match="must be an integer"):
+        bench_decode.prefill_length("long")
+
+
 def test_two_gloo_ranks_print_the_table_and_match_tp1_logits(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:

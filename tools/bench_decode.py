@@ -76,7 +76,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", default="1,8,32,64", help="comma-separated batch sizes")
     parser.add_argument("--steps", type=int, default=20, help="timed decode steps per batch size")
     parser.add_argument("--context", type=int, default=512, help="tokens already in each row's KV cache")
-    parser.add_argument("--prefill-len", type=int, default=4096, help="prompt length of the prefill figure")
+    parser.add_argument(
+        "--prefill-len",
+        type=prefill_length,
+        default=4096,
+        help="prompt length of the prefill figure (0: none)",
+    )
     parser.add_argument(
         "--cuda-graph",
         action="store_true",
@@ -85,7 +90,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vs-transformers", action="store_true", help="time transformers in the same run")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--profile", action="store_true", help="print the top GPU kernels of one step per batch"
+        "--profile",
+        action="store_true",
+        help="print each kernel's share of a step's critical path, per batch",
     )
     parser.add_argument(
         "--tp",
@@ -102,6 +109,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--json", default=None, help="also write the multi-rank table, ratios and logits check to this file"
     )
+
+
+def prefill_length(text: str) -> int:
+    """``--prefill-len``: a prompt length, or 0 for no prefill figure."""
+    try:
+        length = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if length < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 (no prefill figure) or a prompt length, got {length}")
+    return length
 
 
 def tp_degrees(text: str) -> list[int]:
@@ -238,7 +256,7 @@ def decode_rows(model, batches: list[int], args: argparse.Namespace, device: tor
         torch.cuda.synchronize()
         step_ms = statistics.median(cuda_time_ms(run, args.steps))
         if args.profile:
-            print_profile(run, f"batch {batch}")
+            print_profile(model, run, f"batch {batch}")
         rows.append(
             Row(batch, step_ms, batch * 1e3 / step_ms, weight_bytes / (step_ms * 1e-3) / COPY_BANDWIDTH)
         )
@@ -255,15 +273,23 @@ def kernel_settings() -> str:
     return f"PDL {'on' if pdl_enabled() else 'off'}, linears {LINEAR_BACKEND}"
 
 
-def print_profile(run: Callable[[], object], what: str) -> None:
-    from torch.profiler import ProfilerActivity, profile
+def step_linears(model) -> list[str]:
+    """The linears of one decode step in launch order, named as the profile's table names them."""
+    from models.qwen35.config import FULL_ATTENTION
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
-            run()
-        torch.cuda.synchronize()
-    print(f"profile, {what}, 3 steps:")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+    names = []
+    for kind in model.config.layer_types:
+        attention = kind == FULL_ATTENTION
+        names += ["qkv_proj" if attention else "in_proj", "o_proj" if attention else "out_proj"]
+        names += ["gate_up_proj", "down_proj"]
+    return [*names, "lm_head"]
+
+
+def print_profile(model, run: Callable[[], object], what: str) -> None:
+    """Each kernel family's share of the step's critical path (``tools/step_profile.py``)."""
+    from tools.step_profile import profile_steps
+
+    print(profile_steps(run, steps=3, labels=step_linears(model)).table(what), flush=True)
 
 
 def graph_decode_rows(
@@ -283,7 +309,7 @@ def graph_decode_rows(
     pages_per_row = -(-(args.context + args.steps + 8) // PAGE_SIZE)
     kv_pages = max_batch * pages_per_row
     model.allocate_cache(kv_pages + 1, PAGE_SIZE, state_slot_layout(max_batch, cuda_graph=True).total)
-    capacity = Capacity(kv_pages, PAGE_SIZE, max_batch, args.prefill_len)
+    capacity = Capacity(kv_pages, PAGE_SIZE, max_batch, max(args.prefill_len, 1))
     runner = build_graph_runner(model, capacity, device, rank=0, world_size=1)
     sweep = run_precapture_sweep(runner.run_phase, runner.buckets)
     rows = []
@@ -300,7 +326,7 @@ def graph_decode_rows(
         torch.cuda.synchronize()
         step_ms = statistics.median(cuda_time_ms(run, args.steps))
         if args.profile:
-            print_profile(run, f"batch {batch}")
+            print_profile(model, run, f"batch {batch}")
         rows.append(
             Row(batch, step_ms, batch * 1e3 / step_ms, weight_bytes / (step_ms * 1e-3) / COPY_BANDWIDTH)
         )
@@ -338,6 +364,8 @@ def transformers_rows(
         torch.set_default_dtype(previous)
     weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
     rows = [_transformers_decode(hf, hf_config, batch, args, device, weight_bytes) for batch in batches]
+    if not args.prefill_len:
+        return rows, float("nan")
     prompt = torch.randint(0, hf_config.vocab_size, (1, args.prefill_len), device=device)
     with torch.inference_mode():
         hf(input_ids=prompt, use_cache=False)
@@ -374,7 +402,9 @@ def _table(title: str, rows: list[Row], prefill: float, prefill_len: int) -> str
         "|---|---|---|---|",
     ]
     lines += [_row_line(r) for r in rows]
-    lines.append(f"prefill {prefill_len} tokens: {prefill:.1f} ms")
+    lines.append(
+        f"prefill {prefill_len} tokens: {prefill:.1f} ms" if prefill_len else "prefill: not measured"
+    )
     return "\n".join(lines)
 
 
@@ -398,8 +428,9 @@ def run(args: argparse.Namespace) -> int:
         f"{kernel_settings()}"
     )
     rows = decode_rows(model, batches, args, device)
-    prefill = prefill_ms(model, args.prefill_len, device)
-    print(f"measured: prefill {args.prefill_len} tokens {prefill:.1f} ms", flush=True)
+    prefill = prefill_ms(model, args.prefill_len, device) if args.prefill_len else float("nan")
+    if args.prefill_len:
+        print(f"measured: prefill {args.prefill_len} tokens {prefill:.1f} ms", flush=True)
     print(
         _table(
             f"phalanx {args.geometry} (eager, TP 1, {torch.cuda.get_device_name()})",

@@ -246,7 +246,7 @@ class RankRun:
                 run()
             torch.cuda.synchronize(self.device)
             return
-        print_profile(run, what)
+        print_profile(self.model, run, what)
 
 
 def bench_rank(rank: int, world_size: int, init_method: str, settings: BenchSettings, out_path: str) -> None:
