@@ -247,8 +247,7 @@ def _step(
     if _INTERPRET:
         step.launch(shape, batch, INTERPRET_TILE)
         return y
-    # The tile is a speed choice only (FastLaunch keys the binary on every argument's dtype), so
-    # the model dtype stands for the others.
+    # The model dtype stands for the others: the tile is a speed choice (see TunedTiles).
     key = (bucket, hk, hv, dk, dv, conv, x.dtype, state.device)
     tile = TUNED.tiles.get(key)
     if tile is None:

@@ -102,9 +102,9 @@ def autotuned(kernel: object, key: list[str]) -> object:
 
 
 class TunedTiles:
-    """One kernel's tuned tile per key. A key is (bucket, Hk, Hv, dk, dv, ..., dtypes, device):
-    Triton's autotuner keys on the named arguments plus every tensor argument's dtype, and this key
-    must hit exactly when Triton's does, or Triton would benchmark on live state."""
+    """One kernel's tuned tile per key, (bucket, Hk, Hv, dk, dv, ..., dtype, device). A miss tunes
+    on scratch rows (``tune``), never on live state; a hit launches the tile directly, outside the
+    autotuner. The tile is a speed choice only: the launch keys its binary on every argument."""
 
     def __init__(self, kernel: str) -> None:
         self.kernel = kernel

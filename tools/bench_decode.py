@@ -428,8 +428,9 @@ def run(args: argparse.Namespace) -> int:
         f"{kernel_settings()}"
     )
     rows = decode_rows(model, batches, args, device)
-    prefill = prefill_ms(model, args.prefill_len, device) if args.prefill_len else float("nan")
+    prefill = float("nan")
     if args.prefill_len:
+        prefill = prefill_ms(model, args.prefill_len, device)
         print(f"measured: prefill {args.prefill_len} tokens {prefill:.1f} ms", flush=True)
     print(
         _table(
