@@ -2,10 +2,7 @@
 
 Batch-1 decode is bound by reading the weights once, so the kernels are built for bandwidth:
 
-- **GEMV** (M = 1): every program streams ``BLOCK_N`` weight rows through wide, contiguous
-  ``BLOCK_K`` loads (16-byte vectors) and keeps an fp32 partial product per element, reduced over
-  K only once at the end (no per-iteration shuffles or barriers). Small ``BLOCK_N`` gives thousands
-  of programs, so every SM has several resident and many bytes in flight.
+- **GEMV** (M = 1): ``kernels/linear_gemv_triton.py``, plain and pre-normed.
 - **Skinny GEMM** (M >= 2): ``tl.dot`` with the operands swapped (``y.T = w @ x.T``), so the weight
   tile fills the MMA's wide M side (16..128 rows) and the batch (16/32/64, padded) its narrow N
   side; loads are pipelined through shared memory (cp.async). A broadcast GEMV for M = 2..8 was
@@ -14,12 +11,10 @@ Batch-1 decode is bound by reading the weights once, so the kernels are built fo
   a bandwidth-bound decode has to spare.
 - ``*_silu_and_mul``: the MLP's gate_up weight ``[2I, K]``; each program reads gate rows ``j`` and
   the matching up rows ``j + I`` and writes ``silu(gate) * up``: one launch, no ``[M, 2I]`` round trip.
-- ``rms_norm_linear*``: at M = 1, the decoder's pre-norm (residual add, then (1 + w) RMSNorm) in
-  the GEMV's prologue. Each program first reads the whole x + residual row from L2 in one wide load
-  for its inverse RMS, then normalises each K block as it streams the weights, rounding to bf16
-  exactly where the separate norm kernel stores its output; program 0 writes the new residual
-  stream. This removes the 64 norm launches of a 4B batch-1 decode step. More rows run the norm
-  kernel and then the GEMM (see ``_pre_normed``).
+- ``rms_norm_linear*``: at M = 1 (and K up to ``NORMED_MAX_K``), the decoder's pre-norm (residual
+  add, then (1 + w) RMSNorm) in the pre-normed GEMV's prologue, which removes the 64 norm launches
+  of a 4B batch-1 decode step. More rows, or wider ones, run the norm kernel and then the GEMM or
+  the plain GEMV (see ``_pre_normed``).
 
 Triton or cuBLAS, per shape: right after a tuning key is tuned (eagerly), its tuned kernel races
 cuBLAS (with the separate norm and SiLU kernels where the Triton op fuses them) on the same inputs
@@ -32,7 +27,7 @@ The skinny GEMM may split K on thin shapes (``kernels/linear_split_k.py``: one l
 split to arrive sums them); the autotuner decides per key whether a split config is faster. It won
 the N = 2560 projections at M = 16 and 32 on the H200; at M = 64 cuBLAS still wins them.
 
-Autotuning and CUDA graphs: the GEMV is tuned per (N, K, fused or not, pre-normed or not), the
+Autotuning and CUDA graphs: each GEMV is tuned per (N, K, fused or not), the
 GEMM per (N, K, ``BLOCK_M``, fused or not), where ``BLOCK_M`` is the power-of-2 bucket of M clamped to 16..64, never
 M itself. Decode graph buckets are powers of 2 (protocol/buckets.py), and the graph sweep's Warmup
 phase runs one eager decode step per bucket with exactly the bucket's row count before any Capture
@@ -59,8 +54,17 @@ import triton
 import triton.language as tl
 import triton.testing
 
-from kernels.launch import FastLaunch, cdiv, next_pow2, pdl_enabled, sm_count, wait_for_producer
+from kernels.launch import FastLaunch, cdiv, next_pow2, pdl_enabled, wait_for_producer
 from kernels.linear import check_out
+from kernels.linear_gemv_triton import (
+    GEMV_CONFIGS,
+    NORMED_GEMV_CONFIGS,
+    NORMED_MAX_K,
+    gemv_grid,
+    gemv_kernel,
+    normed_gemv_kernel,
+    prune_normed_configs,
+)
 from kernels.linear_race import cublas_beats_triton
 from kernels.linear_split_k import (
     MAX_SPLIT_K,
@@ -77,99 +81,6 @@ log = structlog.get_logger(__name__)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _DOT_MIN_M = 16  # tl.dot needs every block dimension >= 16
 _DOT_MAX_BLOCK_M = 64
-_NORM_BLOCK_MAX = 8192  # the GEMV's norm prologue reads up to this many elements per load
-
-
-@triton.jit
-def _gemv_kernel(
-    x_ptr, w_ptr, y_ptr, res_ptr, nw_ptr, h_ptr, N, K, inter, stride_wn, eps,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PER_SM: tl.constexpr, SILU_MUL: tl.constexpr,
-    NORM: tl.constexpr, NORM_BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
-):  # fmt: skip
-    if PER_SM == 0:  # one program per BLOCK_N rows
-        start = tl.program_id(0) * BLOCK_N
-        end = tl.minimum(start + BLOCK_N, N)
-    else:  # persistent: an equal share of the rows per program, every program resident at once
-        start = tl.program_id(0) * N // tl.num_programs(0)
-        end = (tl.program_id(0) + 1) * N // tl.num_programs(0)
-    cols = tl.arange(0, BLOCK_K)
-    # The first weight tile is requested before waiting for the previous kernel (under PDL it is
-    # still running): the weights never change, and the tile arrives while the wait and the norm
-    # prologue go on.
-    w, w_up = _first_tile(w_ptr, start + tl.arange(0, BLOCK_N), end, cols, K, inter, stride_wn, SILU_MUL)
-    wait_for_producer(USE_PDL)
-    inv = 1.0
-    if NORM:
-        # Every program needs the row's norm before its first product. The row is read in as few,
-        # wide loads as possible (usually one): each is a round trip to L2 that delays the weights.
-        ss = tl.zeros((NORM_BLOCK,), dtype=tl.float32)
-        for k0 in range(0, K, NORM_BLOCK):
-            k = k0 + tl.arange(0, NORM_BLOCK)
-            h = _residual_sum(x_ptr + k, res_ptr + k, k < K)
-            if tl.program_id(0) == 0:  # program 0 writes the new residual stream h = x + residual
-                tl.store(h_ptr + k, h, mask=k < K)
-            ss += h.to(tl.float32) * h.to(tl.float32)
-        inv = tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
-    for r0 in range(start, end, BLOCK_N):
-        rows = r0 + tl.arange(0, BLOCK_N)
-        row_mask = rows < end
-        w_rows = w_ptr + rows[:, None] * stride_wn
-        x = _gemv_input(x_ptr, res_ptr, nw_ptr, cols, cols < K, inv, NORM)
-        acc = w.to(tl.float32) * x[None, :]
-        acc_up = acc
-        if SILU_MUL:
-            acc_up = w_up.to(tl.float32) * x[None, :]
-        for k0 in range(BLOCK_K, K, BLOCK_K):
-            k = k0 + cols
-            k_mask = k < K
-            x = _gemv_input(x_ptr, res_ptr, nw_ptr, k, k_mask, inv, NORM)
-            tile_mask = row_mask[:, None] & k_mask[None, :]
-            w = tl.load(w_rows + k[None, :], mask=tile_mask, other=0.0)
-            acc += w.to(tl.float32) * x[None, :]
-            if SILU_MUL:
-                w_up = tl.load(w_rows + inter * stride_wn + k[None, :], mask=tile_mask, other=0.0)
-                acc_up += w_up.to(tl.float32) * x[None, :]
-        # The next rows' first tile is on its way while these rows are reduced and stored.
-        w, w_up = _first_tile(w_ptr, rows + BLOCK_N, end, cols, K, inter, stride_wn, SILU_MUL)
-        out = tl.sum(acc, axis=1)
-        if SILU_MUL:
-            out = out * tl.sigmoid(out) * tl.sum(acc_up, axis=1)
-        tl.store(y_ptr + rows, out.to(y_ptr.dtype.element_ty), mask=row_mask)
-
-
-@triton.jit
-def _first_tile(w_ptr, rows, end, cols, K, inter, stride_wn, SILU_MUL: tl.constexpr):
-    """The [rows, :BLOCK_K] weight tile (and the matching up rows' one when fused), rows < end."""
-    mask = (rows < end)[:, None] & (cols < K)[None, :]
-    w_rows = w_ptr + rows[:, None] * stride_wn
-    w = tl.load(w_rows + cols[None, :], mask=mask, other=0.0)
-    w_up = w
-    if SILU_MUL:
-        w_up = tl.load(w_rows + inter * stride_wn + cols[None, :], mask=mask, other=0.0)
-    return w, w_up
-
-
-@triton.jit
-def _gemv_input(x_ptr, res_ptr, nw_ptr, k, k_mask, inv, NORM: tl.constexpr):
-    """One K block of the GEMV's input in fp32: x itself, or the pre-normed x + residual."""
-    if NORM:
-        return _normed(_residual_sum(x_ptr + k, res_ptr + k, k_mask), inv, nw_ptr + k, k_mask)
-    return tl.load(x_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _residual_sum(x_ptrs, res_ptrs, mask):
-    """x + residual, rounded to the model dtype: the residual stream is stored in it."""
-    x = tl.load(x_ptrs, mask=mask, other=0.0)
-    return (x.to(tl.float32) + tl.load(res_ptrs, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
-
-
-@triton.jit
-def _normed(h, inv, nw_ptrs, mask):
-    """Qwen's (1 + w) RMSNorm of h given its inverse RMS, rounded to the model dtype exactly as the
-    separate norm kernel stores it, returned in fp32 for the products."""
-    nw = tl.load(nw_ptrs, mask=mask, other=0.0).to(tl.float32)
-    return (h.to(tl.float32) * inv * (1.0 + nw)).to(h.dtype).to(tl.float32)
 
 
 @triton.jit
@@ -229,22 +140,6 @@ def _config(block_n: int, block_k: int, warps: int, stages: int = 3, **extra: in
     )
 
 
-# (BLOCK_N, BLOCK_K, warps, PER_SM): from two rows per program with long loads to 32 rows with
-# short ones, each keeping at most 64 fp32 accumulators a thread (twice BLOCK_N x BLOCK_K / threads
-# when fused), so none spills. PER_SM = 0: one program per BLOCK_N rows, the grid cut into waves
-# of resident programs, where a thin last wave leaves most SMs idle at the kernel's end. PER_SM > 0:
-# persistent, PER_SM programs per SM, each streaming an equal share of the rows BLOCK_N at a time,
-# so all finish together. The list is the configs the H200 picked for the 4B and 9B shapes out of
-# three times as many candidates; of five persistent ones tried (2026-12-01), the one kept won
-# out_proj and down_proj (N = 2560) in every run and the others no shape. Every candidate costs a
-# compile in each cold pre-capture sweep.
-_GEMV_CONFIGS = [
-    _config(n, k, w, PER_SM=per_sm)
-    for n, k, w, per_sm in [
-        (2, 1024, 4, 0), (2, 2048, 8, 0), (4, 512, 4, 0), (4, 1024, 8, 0), (8, 256, 4, 0),
-        (8, 256, 8, 0), (16, 128, 4, 0), (16, 256, 8, 0), (32, 128, 8, 0), (2, 1024, 4, 16),
-    ]
-]  # fmt: skip
 # (BLOCK_N, BLOCK_K, warps, stages, SPLIT_K): weight rows per program x K depth x pipeline depth x
 # K splits (kernels/linear_split_k.py), pruned the same way; split configs are tried only on shapes
 # with few weight-row tiles. Tiles that overflow shared memory at large BLOCK_M fail to compile
@@ -259,9 +154,17 @@ _GEMM_CONFIGS = [
 ]  # fmt: skip
 if max(c.kwargs["SPLIT_K"] for c in _GEMM_CONFIGS) > MAX_SPLIT_K:
     raise ValueError(f"a GEMM config splits K more than the split-K workspace holds ({MAX_SPLIT_K})")
-_FIXED_INTERPRETER_CONFIG: dict[str, Any] = {"BLOCK_N": 16, "BLOCK_K": 32}
-# The interpreter's GEMV programs per SM (0: one program per BLOCK_N rows; tests set others).
+# The interpreter's one config per kernel: small blocks, so the CPU tests' rows span several.
+_INTERPRETER_CONFIGS: dict[str, dict[str, Any]] = {
+    "gemv": {"BLOCK_N": 16, "BLOCK_K": 32},
+    "normed_gemv": {"BLOCK_N": 2},
+    "gemm": {"BLOCK_N": 16, "BLOCK_K": 32},
+}
+# The interpreter's GEMV programs per SM (0: one program per BLOCK_N rows; tests set others). The
+# pre-normed GEMV is always persistent: it takes max(1, this).
 INTERPRETER_GEMV_PER_SM = 0
+# The widest K the pre-normed GEMV takes (tests set less, to reach the norm kernel + GEMV path).
+NORMED_GEMV_MAX_K = NORMED_MAX_K
 # The interpreter's K splits for GEMM shapes that may split (tests set more than 1).
 INTERPRETER_SPLIT_K = 1
 
@@ -286,7 +189,10 @@ def _autotuned(kernel: Any, configs: list[triton.Config], key: list[str], prune:
     )(kernel)
 
 
-_gemv = _autotuned(_gemv_kernel, _GEMV_CONFIGS, key=["N", "K", "SILU_MUL", "NORM"])
+_gemv = _autotuned(gemv_kernel, GEMV_CONFIGS, key=["N", "K", "SILU_MUL"])
+_normed_gemv = _autotuned(
+    normed_gemv_kernel, NORMED_GEMV_CONFIGS, key=["N", "K", "SILU_MUL"], prune=prune_normed_configs
+)
 _skinny_gemm = _autotuned(
     _skinny_gemm_kernel, _GEMM_CONFIGS, key=["N", "K", "BLOCK_M", "SILU_MUL"], prune=prune_split_configs
 )
@@ -299,7 +205,11 @@ _best_configs: dict[tuple[object, ...], triton.Config] = {}
 _cublas_faster: dict[tuple[object, ...], bool] = {}
 # Per tuning key, everything a launch needs besides the tensors (built once, after tuning).
 _prepared: dict[tuple[object, ...], tuple[FastLaunch, dict[str, Any], list[Any], dict[str, int]]] = {}
-_KERNELS = {"gemv": (_gemv, _gemv_kernel), "gemm": (_skinny_gemm, _skinny_gemm_kernel)}
+_KERNELS = {
+    "gemv": (_gemv, gemv_kernel),
+    "normed_gemv": (_normed_gemv, normed_gemv_kernel),
+    "gemm": (_skinny_gemm, _skinny_gemm_kernel),
+}
 
 
 @functools.cache
@@ -320,7 +230,7 @@ def _run(
     the JIT's per-call dispatch, which dominate an eager batch-1 decode step."""
     autotuned, kernel = _KERNELS[kind]
     if _INTERPRET:
-        meta = {**_FIXED_INTERPRETER_CONFIG, **constexprs}
+        meta = {**_INTERPRETER_CONFIGS[kind], **constexprs}
         kernel[grid_of(meta)](*args, **meta)
         return
     prepared = _prepared.get(key)
@@ -345,15 +255,6 @@ def _run(
     options = {"num_warps": best.num_warps, "num_stages": best.num_stages, "launch_pdl": meta["USE_PDL"]}
     _prepared[key] = (_fast_launch(kind), meta, constexpr_values, options)
     _fast_launch(kind)(grid_of(meta), *args, *constexpr_values, **options)
-
-
-def _gemv_grid(n: int, device: torch.device, meta: dict[str, Any]) -> tuple[int]:
-    blocks = cdiv(n, meta["BLOCK_N"])
-    if meta["PER_SM"] == 0:
-        return (blocks,)
-    # Off the GPU (the interpreter's tests) 4 "SMs": a few programs, each over several row blocks.
-    sms = sm_count(device) if device.type == "cuda" else 4
-    return (min(blocks, meta["PER_SM"] * sms),)
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, op: str) -> None:
@@ -406,7 +307,7 @@ def _launch(
     if x.stride(1) != 1:
         x = x.contiguous()
     block_m = 1 if m == 1 else min(max(next_pow2(m), _DOT_MIN_M), _DOT_MAX_BLOCK_M)
-    kind = "gemv" if m == 1 else "gemm"
+    kind = "gemm" if m > 1 else "gemv" if norm is None else "normed_gemv"
     key = (kind, n_out, k, block_m, silu_mul, norm is not None, x.dtype)
     decided = _cublas_faster.get(key)
     if decided:
@@ -416,15 +317,16 @@ def _launch(
         return y, x if norm is None else norm.h
     constexprs: dict[str, Any] = {"SILU_MUL": silu_mul, "USE_PDL": pdl_enabled()}
     if m == 1:
-        # Without a norm the norm's pointers are never read: x stands in for each of them.
-        res, nw, h, eps = (x, x, x, 0.0) if norm is None else (norm.residual, norm.weight, norm.h, norm.eps)
-        grid_of = functools.partial(_gemv_grid, n_out, x.device)
-        args = (x, w, y, res, nw, h, n_out, k, n_out, w.stride(0), eps)
-        # Without a norm NORM_BLOCK is unused: one value keeps every K on the same compiled binary.
-        norm_block = 1 if norm is None else min(next_pow2(k), _NORM_BLOCK_MAX)
-        constexprs.update(NORM=norm is not None, NORM_BLOCK=norm_block)
+        grid_of = functools.partial(gemv_grid, n_out, x.device)
+        h = x
+        args: tuple[object, ...] = (x, w, y, n_out, k, n_out, w.stride(0))
+        if norm is not None:
+            h = norm.h
+            args = (x, w, y, norm.residual, norm.weight, h, n_out, k, n_out, w.stride(0), norm.eps)
+            constexprs["K_PAD"] = next_pow2(k)
         if _INTERPRET:
-            constexprs["PER_SM"] = INTERPRETER_GEMV_PER_SM
+            per_sm = INTERPRETER_GEMV_PER_SM
+            constexprs["PER_SM"] = per_sm if norm is None else max(1, per_sm)
     else:
         if norm is not None:
             raise ValueError("the skinny GEMM has no norm prologue: pre-norm rows with rms_norm first")
@@ -500,11 +402,12 @@ def _pre_normed(
     w: torch.Tensor,
     silu_mul: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One row: the norm in the GEMV's prologue. More rows: the norm kernel, then the skinny GEMM.
-    A norm prologue in the GEMM lost to norm + cuBLAS at every 4B shape and batch bucket on the
-    H200 (it re-reads the rows' K once more before the MMA loop), so it was dropped."""
+    """One row of K up to ``NORMED_GEMV_MAX_K``: the pre-normed GEMV. More rows, or wider ones: the
+    norm kernel, then the skinny GEMM or the plain GEMV. A norm prologue in the GEMM lost to norm +
+    cuBLAS at every 4B shape and batch bucket on the H200 (it re-reads the rows' K once more before
+    the MMA loop), so it was dropped."""
     n_out = _gate_up_rows(w) if silu_mul else w.shape[0]
-    if x.shape[0] == 1:
+    if x.shape[0] == 1 and x.shape[1] <= NORMED_GEMV_MAX_K:
         return _launch(x, w, n_out, silu_mul, PreNorm.build(x, weight, eps, residual))
     from kernels.norms_triton import rms_norm_triton
 

@@ -12,9 +12,10 @@ prune hook does this for a new tuning key before the autotuner benchmarks it:
    ``jit_cache_hook`` that records the specialisation Triton would compile and skips compiling.
    So the arguments' dtypes, alignments and integer classes are Triton's, not a copy of its rules.
 2. Specialisations whose binary is already in Triton's cache (the same key ``triton.compile``
-   computes) are dropped; the rest compile at once, one per worker process, into the cache. The
-   workers are plain subprocesses (``python -m kernels.parallel_compile``), as decode ranks are
-   daemonic processes, which multiprocessing does not let have children.
+   computes) are dropped; the rest compile at once into the cache, one per worker process, while
+   this process takes jobs from the same queue (the workers need seconds to start). The workers
+   are plain subprocesses (``python -m kernels.parallel_compile``), as decode ranks are daemonic
+   processes, which multiprocessing does not let have children.
 3. The autotuner then benchmarks as before; each config it runs is now a cache hit.
 
 The workers start on the first compile the block needs (a warm cache starts none) and are gone
@@ -80,9 +81,12 @@ class _Worker:
         self.process.stdin.flush()
         return pickle.load(self.process.stdout)
 
-    def close(self) -> None:
+    def close_input(self) -> None:
+        """Tells the worker to exit (it exits when its stdin closes)."""
         with contextlib.suppress(OSError):
             self.process.stdin.close()
+
+    def wait(self) -> None:
         try:
             self.process.wait(timeout=10)
         except subprocess.TimeoutExpired:
@@ -93,11 +97,13 @@ class _Worker:
 class _CompilePool:
     """The worker processes of one ``parallel_compile`` block, started on first use."""
 
-    def __init__(self, workers: int) -> None:
+    def __init__(self, workers: int, compile_here: bool = True) -> None:
         self.workers = workers
+        self.compile_here = compile_here
         self._live: list[_Worker] = []
         self.broken = False
         self.compiled = 0
+        self.compiled_here = 0  # of ``compiled``, by this process itself
         self.rounds = 0
         self.seconds = 0.0
 
@@ -118,6 +124,12 @@ class _CompilePool:
         ]
         for feeder in feeders:
             feeder.start()
+        if self.compile_here:
+            # This process takes jobs too: on the H200 host a new worker needed seconds to import
+            # torch and Triton before its first compile, and this process has them loaded.
+            here = self._compile_here(jobs, errors)
+            compiled.extend([None] * here)
+            self.compiled_here += here
         deadline = time.monotonic() + _ROUND_TIMEOUT_S
         for feeder in feeders:
             feeder.join(max(0.0, deadline - time.monotonic()))
@@ -140,6 +152,21 @@ class _CompilePool:
         self.seconds += time.perf_counter() - started
 
     @staticmethod
+    def _compile_here(jobs: queue.SimpleQueue, errors: list[str]) -> int:
+        """Runs jobs in this process until none are left; how many compiled."""
+        done = 0
+        while True:
+            try:
+                job = jobs.get_nowait()
+            except queue.Empty:
+                return done
+            error = _run_job(job)
+            if error is None:
+                done += 1
+            else:
+                errors.append(error)
+
+    @staticmethod
     def _feed(worker: _Worker, jobs: queue.SimpleQueue, compiled: list[None], errors: list[str]) -> None:
         """Runs jobs on one worker until none are left or the worker dies."""
         while True:
@@ -158,8 +185,12 @@ class _CompilePool:
                 errors.append(error)
 
     def close(self) -> None:
+        # All told first, then waited for: each takes ~0.4 s to exit (interpreter teardown), which
+        # one after another cost the H200's cold sweep 6.7 s with 16 workers.
         for worker in self._live:
-            worker.close()
+            worker.close_input()
+        for worker in self._live:
+            worker.wait()
         self._live = []
 
 
@@ -187,6 +218,7 @@ def parallel_compile(ranks_here: int = 1) -> Iterator[_CompilePool | None]:
                 "parallel compile done",
                 workers=workers,
                 binaries=pool.compiled,
+                in_this_process=pool.compiled_here,
                 rounds=pool.rounds,
                 seconds=round(pool.seconds, 2),
             )
@@ -305,6 +337,15 @@ def _compile_job(module: str, qualname: str, spec: str, target: Any) -> None:
     triton.compile(src, target=target, options=options.__dict__)
 
 
+def _run_job(job: tuple[Any, ...]) -> str | None:
+    """Compiles one job; its error, or None. An error leaves that config to the autotuner."""
+    try:
+        _compile_job(*job)
+    except Exception as exc:
+        return f"{job[1]}: {exc!r}"
+    return None
+
+
 def _worker_main(preload: str) -> None:
     """A compile worker's loop: a pickled job in, its error (or None) out, until stdin closes."""
     # Answers go out on a private copy of stdout; file descriptor 1 itself then points at stderr,
@@ -317,12 +358,7 @@ def _worker_main(preload: str) -> None:
             job = pickle.load(jobs)
         except EOFError:
             return
-        try:
-            _compile_job(*job)
-            error = None
-        except Exception as exc:  # reported to the parent, which leaves the config to the autotuner
-            error = f"{job[1]}: {exc!r}"
-        pickle.dump(error, answers)
+        pickle.dump(_run_job(job), answers)
         answers.flush()
 
 

@@ -112,9 +112,43 @@ def _persistent_gemv_case(n: int, k: int) -> dict[str, float]:
     return errors
 
 
+def _wide_normed_case(n: int, k: int) -> dict[str, float]:
+    """A pre-normed row wider than the pre-normed GEMV takes (its limit lowered to 64 here): the
+    norm kernel, then the plain GEMV, plain and fused, with the residual stream it leaves."""
+    from kernels import linear_triton
+    from kernels.linear import rms_norm_linear_ref, rms_norm_linear_silu_and_mul_ref
+
+    x, residual = torch.randn(1, k).to(BF16), torch.randn(1, k).to(BF16)
+    norm = (torch.randn(k) * 0.1).to(BF16)
+    w, w_gate_up = (torch.randn(n, k) * k**-0.5).to(BF16), (torch.randn(2 * n, k) * k**-0.5).to(BF16)
+    kinds: list[str] = []
+    run = linear_triton._run
+    linear_triton._run = lambda kind, *rest: (kinds.append(kind), run(kind, *rest))[1]
+    linear_triton.NORMED_GEMV_MAX_K = 64
+    try:
+        errors = {}
+        for name, op, ref, weight in (
+            ("norm", linear_triton.rms_norm_linear_triton, rms_norm_linear_ref, w),
+            (
+                "norm_fused",
+                linear_triton.rms_norm_linear_silu_and_mul_triton,
+                rms_norm_linear_silu_and_mul_ref,
+                w_gate_up,
+            ),
+        ):
+            (y, h), (y_ref, h_ref) = op(x, norm, 1e-6, residual, weight), ref(x, norm, 1e-6, residual, weight)
+            errors[name], errors[name + "_h"] = _rel(y, y_ref), _rel(h, h_ref)
+        errors["kernels_not_the_plain_gemv"] = float(kinds != ["gemv", "gemv"])
+    finally:
+        linear_triton.NORMED_GEMV_MAX_K = linear_triton.NORMED_MAX_K
+        linear_triton._run = run
+    return errors
+
+
 CASES = {f"m{m}_n{n}_k{k}": (lambda m=m, n=n, k=k: _case(m, n, k)) for m in ROWS for n, k in SHAPES}
 CASES.update({f"split_k_m{m}": (lambda m=m: _split_k_case(m)) for m in (3, 17, 80)})
 PERSISTENT_SHAPES = ((300, 100), (37, 130))  # 8 programs of 37-38 rows in 3 blocks; 3 of 12-13 rows
+CASES["wide_normed"] = lambda: _wide_normed_case(37, 100)
 CASES.update(
     {f"persistent_n{n}_k{k}": (lambda n=n, k=k: _persistent_gemv_case(n, k)) for n, k in PERSISTENT_SHAPES}
 )
@@ -152,6 +186,20 @@ def test_persistent_gemv_writes_every_row_and_matches_reference(
     for key, err in errors.items():
         bound = NORM_TOLERANCE if key.startswith("norm") else TOLERANCE
         assert err <= bound, f"persistent n={n} k={k} {key}: relative error {err:.3g} > {bound}"
+
+
+def test_pre_normed_row_wider_than_the_normed_gemv_takes_norm_kernel_then_plain_gemv(
+    interpreted: dict[str, dict[str, object]],
+) -> None:
+    record = interpreted.get("wide_normed")
+    assert record is not None and "exception" not in record, record
+    errors = record["errors"]
+    assert isinstance(errors, dict)
+    assert errors.pop("kernels_not_the_plain_gemv") == 0.0, "a wide pre-normed row did not run the plain GEMV"
+    for key, err in errors.items():
+        assert err <= NORM_TOLERANCE, (
+            f"wide pre-normed row {key}: relative error {err:.3g} > {NORM_TOLERANCE}"
+        )
 
 
 @pytest.mark.parametrize("m", (3, 17, 80))

@@ -49,7 +49,7 @@ def test_workers_fill_the_cache_that_compile_reads(tmp_path, monkeypatch) -> Non
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     specs = [_spec(64, 4), _spec(128, 4), _spec(128, 8)]
     assert not any(is_cached(scale_kernel, spec, TARGET) for spec in specs)
-    pool = _CompilePool(workers=2)
+    pool = _CompilePool(workers=2, compile_here=False)
     try:
         pool.compile(scale_kernel, specs, TARGET)
     finally:
@@ -64,13 +64,29 @@ def test_a_failing_compile_is_logged_not_raised(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     bad = json.loads(_spec(64, 4))
     bad["signature"]["x_ptr"] = "*nosuchtype"
-    pool = _CompilePool(workers=1)
+    pool = _CompilePool(workers=1, compile_here=False)
     try:
         pool.compile(scale_kernel, [json.dumps(bad), _spec(64, 4)], TARGET)
     finally:
         pool.close()
     assert pool.compiled == 1
     assert is_cached(scale_kernel, _spec(64, 4), TARGET)
+
+
+def test_this_process_compiles_beside_starting_workers(tmp_path, monkeypatch) -> None:
+    """While its one worker still starts (imports torch and Triton), the calling process takes the
+    round's other jobs itself; all land in the cache, counted once, one bad job logged."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    bad = json.loads(_spec(64, 4))
+    bad["signature"]["x_ptr"] = "*nosuchtype"
+    specs = [_spec(64, 4), _spec(128, 4), _spec(128, 8), json.dumps(bad)]
+    pool = _CompilePool(workers=1)
+    try:
+        pool.compile(scale_kernel, specs, TARGET)
+    finally:
+        pool.close()
+    assert pool.compiled == 3 and 1 <= pool.compiled_here <= 3 and not pool.broken
+    assert all(is_cached(scale_kernel, spec, TARGET) for spec in specs[:3])
 
 
 def test_worker_count(monkeypatch) -> None:
@@ -95,7 +111,7 @@ def test_workers_do_not_rerun_an_unguarded_main_script(tmp_path) -> None:
             from compile_probe import scale_kernel
             from test_parallel_compile import TARGET, _spec
             from kernels.parallel_compile import _CompilePool
-            pool = _CompilePool(workers=2)
+            pool = _CompilePool(workers=2, compile_here=False)
             pool.compile(scale_kernel, [_spec(64, 4), _spec(64, 8)], TARGET)
             pool.close()
             print("compiled", pool.compiled, "broken", pool.broken)
@@ -110,7 +126,7 @@ def test_workers_do_not_rerun_an_unguarded_main_script(tmp_path) -> None:
 
 def _compile_in_this_process(cache_dir: str, answers: multiprocessing.Queue) -> None:
     os.environ["TRITON_CACHE_DIR"] = cache_dir
-    pool = _CompilePool(workers=2)
+    pool = _CompilePool(workers=2, compile_here=False)
     try:
         pool.compile(scale_kernel, [_spec(64, 4), _spec(32, 4)], TARGET)
     finally:

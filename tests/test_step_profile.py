@@ -42,6 +42,7 @@ def test_labels_apply_only_when_the_linear_count_matches() -> None:
     "name,expected",
     [
         ("_gemv_kernel", "gemv"),
+        ("normed_gemv_kernel", "gemv"),
         ("_skinny_gemm_kernel", "skinny gemm"),
         ("nvjet_tst_128x64_64x6_2x1_v_bz_coopA_TNT", "cuBLAS gemm"),
         ("_conv_decode_kernel", "gdn conv"),

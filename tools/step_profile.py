@@ -23,7 +23,7 @@ import torch
 
 # Kernel families by name: the Triton kernels by their function names, cuBLAS by its prefixes.
 _FAMILIES = [
-    ("gemv", re.compile(r"_gemv_kernel")),
+    ("gemv", re.compile(r"gemv_kernel")),  # plain and pre-normed
     ("skinny gemm", re.compile(r"_skinny_gemm")),
     ("cuBLAS gemm", re.compile(r"nvjet|cutlass|sm90_xmma|gemm|gemv", re.IGNORECASE)),
     ("gdn step", re.compile(r"_step_kernel")),
