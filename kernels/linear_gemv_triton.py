@@ -20,7 +20,9 @@ the cuBLAS race are ``kernels/linear_triton.py``'s.
   H200 (4B shapes, PDL graphs of chained launches, 2026-12-01) this took the MLP's gate_up from
   28.6 to 25.6 µs, the GDN in_proj from 20.8 to 17.9 and the attention qkv from 20.1 to 15.8,
   against the plain GEMV's K-block loop with the norm folded into each block (the x, residual and
-  norm-weight loads of every K block delayed its weight loads).
+  norm-weight loads of every K block delayed its weight loads). Row blocks are dealt to the
+  programs in turn, not in contiguous shares, and the weight loads are marked evict-first: another
+  0.7-0.8 µs off each (gate_up 25.3 -> 24.5 µs); in the plain GEMV neither helped.
 """
 
 from __future__ import annotations
@@ -87,12 +89,13 @@ def normed_gemv_kernel(
     BLOCK_N: tl.constexpr, K_PAD: tl.constexpr, PER_SM: tl.constexpr, SILU_MUL: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    # Persistent (PER_SM programs per SM set the grid): an equal share of the rows per program.
-    start = tl.program_id(0) * N // tl.num_programs(0)
-    end = (tl.program_id(0) + 1) * N // tl.num_programs(0)
+    # Persistent (PER_SM programs per SM set the grid), the row blocks dealt out in turn: program
+    # p takes blocks p, p + P, p + 2P, ..., so at any moment the programs read neighbouring rows.
+    step = tl.num_programs(0) * BLOCK_N
+    start = tl.program_id(0) * BLOCK_N
     cols = tl.arange(0, K_PAD)
     k_mask = cols < K
-    w, w_up = _weight_tile(w_ptr, start + tl.arange(0, BLOCK_N), end, cols, K, inter, stride_wn, SILU_MUL)
+    w, w_up = _weight_tile(w_ptr, start + tl.arange(0, BLOCK_N), N, cols, K, inter, stride_wn, SILU_MUL, True)
     wait_for_producer(USE_PDL)
     x = tl.load(x_ptr + cols, mask=k_mask, other=0.0)
     # x + residual, rounded to the model dtype: the residual stream is stored in it.
@@ -103,27 +106,37 @@ def normed_gemv_kernel(
     inv = tl.rsqrt(tl.sum(hf * hf, axis=0) / K + eps)
     nw = tl.load(nw_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
     normed = (hf * inv * (1.0 + nw)).to(x.dtype).to(tl.float32)[None, :]
-    for r0 in range(start, end, BLOCK_N):
+    for r0 in range(start, N, step):
         rows = r0 + tl.arange(0, BLOCK_N)
-        w_next, w_up_next = _weight_tile(w_ptr, rows + BLOCK_N, end, cols, K, inter, stride_wn, SILU_MUL)
+        w_next, w_up_next = _weight_tile(w_ptr, rows + step, N, cols, K, inter, stride_wn, SILU_MUL, True)
         out = tl.sum(w.to(tl.float32) * normed, axis=1)
         out_up = out
         if SILU_MUL:
             out_up = tl.sum(w_up.to(tl.float32) * normed, axis=1)
-        _store_rows(y_ptr, rows, rows < end, out, out_up, SILU_MUL)
+        _store_rows(y_ptr, rows, rows < N, out, out_up, SILU_MUL)
         w, w_up = w_next, w_up_next
 
 
 @triton.jit
-def _weight_tile(w_ptr, rows, end, cols, K, inter, stride_wn, SILU_MUL: tl.constexpr):
-    """The [rows, cols] weight tile (and the matching up rows' one when fused), rows < end, cols < K."""
+def _weight_tile(
+    w_ptr, rows, end, cols, K, inter, stride_wn, SILU_MUL: tl.constexpr, EVICT_FIRST: tl.constexpr = False
+):
+    """The [rows, cols] weight tile (and the matching up rows' one when fused), rows < end, cols < K;
+    ``EVICT_FIRST`` marks its lines first out of L2 (each weight is read once a step)."""
     mask = (rows < end)[:, None] & (cols < K)[None, :]
     w_rows = w_ptr + rows[:, None] * stride_wn
-    w = tl.load(w_rows + cols[None, :], mask=mask, other=0.0)
+    w = _load(w_rows + cols[None, :], mask, EVICT_FIRST)
     w_up = w
     if SILU_MUL:
-        w_up = tl.load(w_rows + inter * stride_wn + cols[None, :], mask=mask, other=0.0)
+        w_up = _load(w_rows + inter * stride_wn + cols[None, :], mask, EVICT_FIRST)
     return w, w_up
+
+
+@triton.jit
+def _load(ptrs, mask, EVICT_FIRST: tl.constexpr):
+    if EVICT_FIRST:
+        return tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
+    return tl.load(ptrs, mask=mask, other=0.0)
 
 
 @triton.jit

@@ -48,6 +48,8 @@ log = structlog.get_logger(__name__)
 
 _MAX_WORKERS = 16
 _ROUND_TIMEOUT_S = 300.0  # one key's configs; the sweep's own watchdog (600 s) still governs
+_START_POLL_S = 0.05  # how often a round's feeder of a starting worker looks whether jobs are left
+_STARTED = "started"  # a worker's first message: its modules are imported
 _Prune = Callable[..., list[triton.Config]]
 
 
@@ -74,6 +76,18 @@ class _Worker:
         self.process = subprocess.Popen(
             [sys.executable, "-m", __name__, preload], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
         )
+        # Set once the worker has imported its modules and can take jobs (failed says if it died).
+        self.started = threading.Event()
+        self.failed: str | None = None
+        threading.Thread(target=self._await_start, daemon=True).start()
+
+    def _await_start(self) -> None:
+        try:
+            if pickle.load(self.process.stdout) != _STARTED:
+                self.failed = "compile worker sent something else than its start"
+        except (EOFError, OSError, pickle.UnpicklingError) as exc:
+            self.failed = f"compile worker exited while starting: {exc!r}"
+        self.started.set()
 
     def run(self, job: tuple[Any, ...]) -> str | None:
         """The job's error (None when it compiled). Raises EOFError or OSError if the worker died."""
@@ -125,8 +139,8 @@ class _CompilePool:
         for feeder in feeders:
             feeder.start()
         if self.compile_here:
-            # This process takes jobs too: on the H200 host a new worker needed seconds to import
-            # torch and Triton before its first compile, and this process has them loaded.
+            # This process takes jobs too: on the H200 host a new worker needed ~6 s to import
+            # torch and Triton, which made the first round of a cold sweep 7 s for 5 binaries.
             here = self._compile_here(jobs, errors)
             compiled.extend([None] * here)
             self.compiled_here += here
@@ -168,7 +182,14 @@ class _CompilePool:
 
     @staticmethod
     def _feed(worker: _Worker, jobs: queue.SimpleQueue, compiled: list[None], errors: list[str]) -> None:
-        """Runs jobs on one worker until none are left or the worker dies."""
+        """Runs jobs on one worker until none are left or the worker dies. A worker still starting
+        takes none until it has started, and none at all if the others empty the queue first."""
+        while not worker.started.wait(_START_POLL_S):
+            if jobs.empty():
+                return
+        if worker.failed is not None:
+            errors.append(worker.failed)
+            return
         while True:
             try:
                 job = jobs.get_nowait()
@@ -353,6 +374,8 @@ def _worker_main(preload: str) -> None:
     jobs, answers = sys.stdin.buffer, os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
     importlib.import_module(preload)
+    pickle.dump(_STARTED, answers)
+    answers.flush()
     while True:
         try:
             job = pickle.load(jobs)
