@@ -1,4 +1,5 @@
-"""Triton KV write into pages, same signature and semantics as ``kernels/kv_cache.py``."""
+"""Triton KV write into pages and a decode step's KV indices, same signatures and semantics as
+``kernels/kv_cache.py``."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import next_pow2
+from kernels.launch import FastLaunch, cdiv, next_pow2, wait_for_producer
 
 
 @triton.jit
@@ -64,3 +65,46 @@ def write_kv_triton(
         BLOCK_D=next_pow2(dim),
         num_warps=2,
     )
+
+
+@triton.jit
+def _decode_kv_indices_kernel(
+    pos_ptr, table_ptr, slot_ptr, len_ptr, B, stride_table, page_size, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = rows < B
+    wait_for_producer(USE_PDL)
+    pos = tl.load(pos_ptr + rows, mask=mask, other=0)
+    page = tl.load(table_ptr + rows * stride_table + pos // page_size, mask=mask, other=0).to(tl.int64)
+    tl.store(slot_ptr + rows, page * page_size + pos % page_size, mask=mask)
+    tl.store(len_ptr + rows, (pos + 1).to(tl.int32), mask=mask)
+
+
+_DECODE_BLOCK = 256
+_decode_kv_indices_launch = FastLaunch(_decode_kv_indices_kernel, pdl=True)
+
+
+def decode_kv_indices_triton(
+    positions: torch.Tensor, page_table: torch.Tensor, page_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One kernel where the torch reference takes eight (a batch-1 graph step spent ~20 µs in them
+    on the H200, an eager one a launch each)."""
+    rows = positions.shape[0]
+    slots = torch.empty(rows, dtype=torch.int64, device=positions.device)
+    lengths = torch.empty(rows, dtype=torch.int32, device=positions.device)
+    if rows:
+        if page_table.stride(1) != 1:
+            page_table = page_table.contiguous()
+        _decode_kv_indices_launch(
+            (cdiv(rows, _DECODE_BLOCK),),
+            positions,
+            page_table,
+            slots,
+            lengths,
+            rows,
+            page_table.stride(0),
+            page_size,
+            _DECODE_BLOCK,
+            num_warps=4,
+        )
+    return slots, lengths

@@ -19,7 +19,7 @@ from kernels.attention import paged_decode_attention_ref, paged_prefill_attentio
 from kernels.conv1d import causal_conv1d_decode_ref, causal_conv1d_prefill_ref
 from kernels.gdn import gated_delta_rule_decode_ref, gated_delta_rule_prefill_ref, gdn_gating_ref
 from kernels.gdn_step import gdn_decode_step_ref
-from kernels.kv_cache import write_kv_ref
+from kernels.kv_cache import decode_kv_indices_ref, write_kv_ref
 from kernels.linear import (
     check_out,
     linear_ref,
@@ -35,6 +35,7 @@ __all__ = [
     "apply_rope",
     "causal_conv1d_decode",
     "causal_conv1d_prefill",
+    "decode_kv_indices",
     "gated_delta_rule_decode",
     "gated_delta_rule_prefill",
     "gated_rms_norm",
@@ -164,6 +165,14 @@ def write_kv(
         _triton("kv_cache", "write_kv")(k, v, k_cache, v_cache, slot_ids)
     else:
         write_kv_ref(k, v, k_cache, v_cache, slot_ids)
+
+
+def decode_kv_indices(
+    positions: torch.Tensor, page_table: torch.Tensor, page_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if positions.is_cuda:
+        return _triton("kv_cache", "decode_kv_indices")(positions, page_table, page_size)
+    return decode_kv_indices_ref(positions, page_table, page_size)
 
 
 def paged_decode_attention(

@@ -79,6 +79,21 @@ def test_apply_rope_and_write_kv() -> None:
     assert torch.equal(caches[0], refs[0]) and torch.equal(caches[1], refs[1])
 
 
+@pytest.mark.parametrize("rows", [1, 64, 300])
+def test_decode_kv_indices(rows: int) -> None:
+    from kernels.kv_cache import decode_kv_indices_ref
+    from kernels.kv_cache_triton import decode_kv_indices_triton
+
+    positions = torch.randint(0, 40 * PAGE, (rows,), device=DEV)
+    table = torch.randint(0, 10_000, (rows, 48), dtype=torch.int32, device=DEV)[:, :40]
+    for got, want in zip(
+        decode_kv_indices_triton(positions, table, PAGE),
+        decode_kv_indices_ref(positions, table, PAGE),
+        strict=True,
+    ):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
 @pytest.mark.parametrize("batch", [1, 8, 64])
 def test_paged_decode_attention(batch: int) -> None:
     from kernels.attention import paged_decode_attention_ref

@@ -280,6 +280,20 @@ def check_norm_rope_write_kv() -> dict[str, float]:
     }
 
 
+def check_decode_kv_indices() -> dict[str, float]:
+    from kernels.kv_cache import decode_kv_indices_ref
+    from kernels.kv_cache_triton import decode_kv_indices_triton
+
+    positions = torch.tensor([0, 3, 4, 17, 9])  # a page start, a page end, later pages
+    table = torch.randint(0, 50, (5, 7), dtype=torch.int32)[:, :6]  # row stride 7, not the width
+    slots, lengths = decode_kv_indices_triton(positions, table, 4)
+    slots_ref, lengths_ref = decode_kv_indices_ref(positions, table, 4)
+    return {
+        "slots_differ": float(slots.dtype != torch.int64 or not torch.equal(slots, slots_ref)),
+        "lengths_differ": float(lengths.dtype != torch.int32 or not torch.equal(lengths, lengths_ref)),
+    }
+
+
 CHECKS: dict[str, Callable[[], dict[str, float]]] = {
     name.removeprefix("check_"): fn for name, fn in list(globals().items()) if name.startswith("check_")
 }
@@ -288,6 +302,8 @@ CHECKS: dict[str, Callable[[], dict[str, float]]] = {
 # truncation (torch rounds to nearest), so its chain drifts further than on a GPU.
 TOLERANCE = {
     "exact_bucket_vs_batch": 0.0,
+    "slots_differ": 0.0,
+    "lengths_differ": 0.0,
     "state": 1e-3,
     "g": 1e-5,
     "beta": 1e-5,

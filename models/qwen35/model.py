@@ -195,15 +195,13 @@ class Qwen35Model:
     def decode(self, batch: DecodeBatch) -> torch.Tensor:
         """Logits float32 [B, vocab]. Graph-capturable: fixed shapes, no host sync, no value branching."""
         self._require_cache("decode")
-        positions = batch.positions
-        page_index = (positions // self.page_size).unsqueeze(1)
-        pages = batch.page_table.gather(1, page_index).squeeze(1).long()
+        kv_slot_ids, seq_lens = ops.decode_kv_indices(batch.positions, batch.page_table, self.page_size)
         ctx = StepContext(
-            positions=positions,
-            kv_slot_ids=pages * self.page_size + positions % self.page_size,
+            positions=batch.positions,
+            kv_slot_ids=kv_slot_ids,
             state_slots=batch.state_slots,
             page_tables=batch.page_table,
-            seq_lens=(positions + 1).to(torch.int32),
+            seq_lens=seq_lens,
         )
         return self._logits(*self._layers(batch.tokens, ctx))
 
