@@ -141,7 +141,7 @@ def _config(block_n: int, block_k: int, warps: int, stages: int = 3, **extra: in
 
 
 # (BLOCK_N, BLOCK_K, warps, stages, SPLIT_K): weight rows per program x K depth x pipeline depth x
-# K splits (kernels/linear_split_k.py), pruned the same way; split configs are tried only on shapes
+# K splits (kernels/linear_split_k.py), pruned to what the H200 picked; split configs are tried only on shapes
 # with few weight-row tiles. Tiles that overflow shared memory at large BLOCK_M fail to compile
 # and are skipped.
 _GEMM_CONFIGS = [
