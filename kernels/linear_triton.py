@@ -54,12 +54,12 @@ import triton
 import triton.language as tl
 import triton.testing
 
+from kernels import linear_gemv_triton
 from kernels.launch import FastLaunch, cdiv, next_pow2, pdl_enabled, wait_for_producer
 from kernels.linear import check_out
 from kernels.linear_gemv_triton import (
     GEMV_CONFIGS,
     NORMED_GEMV_CONFIGS,
-    NORMED_MAX_K,
     gemv_grid,
     gemv_kernel,
     normed_gemv_kernel,
@@ -163,8 +163,6 @@ _INTERPRETER_CONFIGS: dict[str, dict[str, Any]] = {
 # The interpreter's GEMV programs per SM (0: one program per BLOCK_N rows; tests set others). The
 # pre-normed GEMV is always persistent: it takes max(1, this).
 INTERPRETER_GEMV_PER_SM = 0
-# The widest K the pre-normed GEMV takes (tests set less, to reach the norm kernel + GEMV path).
-NORMED_GEMV_MAX_K = NORMED_MAX_K
 # The interpreter's K splits for GEMM shapes that may split (tests set more than 1).
 INTERPRETER_SPLIT_K = 1
 
@@ -402,12 +400,12 @@ def _pre_normed(
     w: torch.Tensor,
     silu_mul: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One row of K up to ``NORMED_GEMV_MAX_K``: the pre-normed GEMV. More rows, or wider ones: the
-    norm kernel, then the skinny GEMM or the plain GEMV. A norm prologue in the GEMM lost to norm +
-    cuBLAS at every 4B shape and batch bucket on the H200 (it re-reads the rows' K once more before
-    the MMA loop), so it was dropped."""
+    """One row of K up to ``NORMED_MAX_K`` (read here, so tests can lower it): the pre-normed GEMV.
+    More rows, or wider ones: the norm kernel, then the skinny GEMM or the plain GEMV. A norm
+    prologue in the GEMM lost to norm + cuBLAS at every 4B shape and batch bucket on the H200 (it
+    re-reads the rows' K once more before the MMA loop), so it was dropped."""
     n_out = _gate_up_rows(w) if silu_mul else w.shape[0]
-    if x.shape[0] == 1 and x.shape[1] <= NORMED_GEMV_MAX_K:
+    if x.shape[0] == 1 and x.shape[1] <= linear_gemv_triton.NORMED_MAX_K:
         return _launch(x, w, n_out, silu_mul, PreNorm.build(x, weight, eps, residual))
     from kernels.norms_triton import rms_norm_triton
 

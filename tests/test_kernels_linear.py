@@ -115,7 +115,7 @@ def _persistent_gemv_case(n: int, k: int) -> dict[str, float]:
 def _wide_normed_case(n: int, k: int) -> dict[str, float]:
     """A pre-normed row wider than the pre-normed GEMV takes (its limit lowered to 64 here): the
     norm kernel, then the plain GEMV, plain and fused, with the residual stream it leaves."""
-    from kernels import linear_triton
+    from kernels import linear_gemv_triton, linear_triton
     from kernels.linear import rms_norm_linear_ref, rms_norm_linear_silu_and_mul_ref
 
     x, residual = torch.randn(1, k).to(BF16), torch.randn(1, k).to(BF16)
@@ -124,7 +124,8 @@ def _wide_normed_case(n: int, k: int) -> dict[str, float]:
     kinds: list[str] = []
     run = linear_triton._run
     linear_triton._run = lambda kind, *rest: (kinds.append(kind), run(kind, *rest))[1]
-    linear_triton.NORMED_GEMV_MAX_K = 64
+    widest = linear_gemv_triton.NORMED_MAX_K
+    linear_gemv_triton.NORMED_MAX_K = 64
     try:
         errors = {}
         for name, op, ref, weight in (
@@ -140,7 +141,7 @@ def _wide_normed_case(n: int, k: int) -> dict[str, float]:
             errors[name], errors[name + "_h"] = _rel(y, y_ref), _rel(h, h_ref)
         errors["kernels_not_the_plain_gemv"] = float(kinds != ["gemv", "gemv"])
     finally:
-        linear_triton.NORMED_GEMV_MAX_K = linear_triton.NORMED_MAX_K
+        linear_gemv_triton.NORMED_MAX_K = widest
         linear_triton._run = run
     return errors
 
