@@ -71,3 +71,24 @@ def test_256_greedy_tokens_identical_with_and_without_graphs(tiny_model_dir: Pat
         graph_tokens.append(graph_next)
     assert graph_tokens == eager_tokens
     assert pair.runner.replays == 256
+
+
+def test_graph_steps_staged_while_earlier_replays_wait_read_their_own_rows(tiny_model_dir: Path) -> None:
+    """Each replay reads its rows from pinned host buffers when its first kernel runs. With a
+    sleeping kernel ahead of every replay, the host stages each next step while the previous
+    replay still waits on the GPU; it must wait for that replay to have read its rows before
+    refilling the buffers, so every step's logits are those of its own rows."""
+    pair = _pair(tiny_model_dir, 3)
+    requests = [0, 1, 2]
+    expected, got = [], []
+    for step in range(6):
+        rows = pair.rows(requests)
+        expected.append(pair.plain.decode(DecodeBatch.build(rows, CUDA, max_pages=pair.pages_per_request)))
+        torch.cuda._sleep(20_000_000)  # ~10 ms of GPU time: the replay below queues behind it
+        got.append(pair.runner.decode(DecodeBatch.build(rows)).clone())
+        for r in requests:  # new tokens every step, none read back from the GPU
+            pair.token[r] = (pair.token[r] * 7 + 3 + step) % 384
+            pair.position[r] += 1
+    for step, (out, ref) in enumerate(zip(got, expected, strict=True)):
+        error = float((out.float() - ref.float()).norm() / ref.float().norm())
+        assert error <= BF16_RELATIVE_ERROR, f"step {step}: logits differ by {error:.3g} (relative)"

@@ -13,7 +13,7 @@ from executor.precapture import sweep_phases
 from models.qwen35 import Qwen35Model
 from models.qwen35.batch import DecodeBatch, PrefillBatch
 from protocol.messages import Capture, Finalize, Launch, Warmup
-from worker import graphs
+from worker import graph_inputs, graphs
 from worker.buckets import state_slot_layout
 from worker.graphs import DecodeGraphRunner, GraphError, GraphGeometry, graph_blocker, padding_slots
 
@@ -233,7 +233,7 @@ def test_staging_writes_rows_and_page_table_and_pads_the_bucket(monkeypatch: pyt
     """What a step stages into the static buffers (through numpy views of the host buffers): the
     rows' tokens, positions and slots, zeros and free slots for the padding rows, the rows' page ids
     and the padding page below them. The page-table views are rebuilt after the cache is full."""
-    monkeypatch.setattr(graphs, "_TABLE_VIEWS_KEPT", 2)
+    monkeypatch.setattr(graph_inputs, "TABLE_VIEWS_KEPT", 2)
     geometry = GraphGeometry(
         max_batch=MAX_BATCH, max_pages=6, padding_page=KV_PAGES, spare_slot_base=LAYOUT.spare_base,
         hidden_size=8, dtype=torch.float32,
@@ -248,9 +248,10 @@ def test_staging_writes_rows_and_page_table_and_pads_the_bucket(monkeypatch: pyt
             page_table=table,
         )
         assert runner._stage_rows(batch, 4, occupied=()) == width
-        assert runner._tokens[:4].tolist() == [11, 12, 13, 0]
-        assert runner._positions[:4].tolist() == [5, 6, 7, 0]
-        assert runner._slots[:3].tolist() == [2, 0, 1] and runner._slots[3].item() not in (0, 1, 2)
-        assert torch.equal(runner._page_table[:3, :width], table)
-        assert runner._page_table[3, :width].tolist() == [KV_PAGES] * width
-        assert len(runner._table_view_cache) <= 2
+        inputs = runner.inputs
+        assert inputs.tokens[:4].tolist() == [11, 12, 13, 0]
+        assert inputs.positions[:4].tolist() == [5, 6, 7, 0]
+        assert inputs.slots[:3].tolist() == [2, 0, 1] and inputs.slots[3].item() not in (0, 1, 2)
+        assert torch.equal(inputs.page_table[:3, :width], table)
+        assert inputs.page_table[3, :width].tolist() == [KV_PAGES] * width
+        assert len(inputs._table_views) <= 2

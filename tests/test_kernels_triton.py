@@ -294,6 +294,34 @@ def check_decode_kv_indices() -> dict[str, float]:
     }
 
 
+def check_load_staged() -> dict[str, float]:
+    from kernels.host_staging_triton import (
+        HEADER_ACK,
+        HEADER_COLUMNS,
+        HEADER_SEQ,
+        load_staged_ref,
+        load_staged_triton,
+    )
+
+    top, max_pages, bucket, columns = 8, 6, 5, 3
+    header = torch.tensor([7, columns, 6, 0])  # step 7 staged, step 6 acknowledged
+    host_rows = torch.randint(0, 1000, (3, top))
+    host_table = torch.randint(0, 50, (top * max_pages,), dtype=torch.int32)
+    rows, table = torch.full((3, top), -1), torch.full((top, max_pages), -1, dtype=torch.int32)
+    arrivals = torch.zeros(1, dtype=torch.int32)
+    ref_header, ref_rows, ref_table = header.clone(), rows.clone(), table.clone()
+    load_staged_triton(header, host_rows, host_table, rows, table, arrivals, bucket)
+    load_staged_ref(ref_header, host_rows, host_table, ref_rows, ref_table, bucket)
+    return {
+        "rows_differ": float(not torch.equal(rows, ref_rows)),
+        "table_differs": float(not torch.equal(table, ref_table)),
+        "header_differs": float(not torch.equal(header, ref_header) or int(header[HEADER_ACK]) != 7),
+        "untouched_differ": float(not (rows[:, bucket:] == -1).all() or not (table[:, columns:] == -1).all()),
+        "counter_left": float(arrivals.item()),
+        "seq_and_columns_kept": float(int(header[HEADER_SEQ]) != 7 or int(header[HEADER_COLUMNS]) != columns),
+    }
+
+
 CHECKS: dict[str, Callable[[], dict[str, float]]] = {
     name.removeprefix("check_"): fn for name, fn in list(globals().items()) if name.startswith("check_")
 }
@@ -304,6 +332,12 @@ TOLERANCE = {
     "exact_bucket_vs_batch": 0.0,
     "slots_differ": 0.0,
     "lengths_differ": 0.0,
+    "rows_differ": 0.0,
+    "table_differs": 0.0,
+    "header_differs": 0.0,
+    "untouched_differ": 0.0,
+    "counter_left": 0.0,
+    "seq_and_columns_kept": 0.0,
     "state": 1e-3,
     "g": 1e-5,
     "beta": 1e-5,

@@ -1,12 +1,13 @@
 """The decode graph runner: one CUDA graph per batch bucket, replayed from static input buffers.
 
-Decode rows are copied into static buffers (tokens, positions, state slots, page table) sized for
-the largest bucket; a batch of ``n`` rows runs the graph of ``bucket_for(n)``, whose extra rows
+Decode rows are staged into static buffers (tokens, positions, state slots, page table) sized for
+the largest bucket (``worker/graph_inputs.py``); a batch of ``n`` rows runs the graph of ``bucket_for(n)``, whose extra rows
 are padding: token 0 at position 0, every page the padding KV page (page id ``kv_pages``), and a
 free state slot each, so their KV writes and state updates land where nobody reads. Their logits
 are discarded. Recurrent and conv state live at fixed addresses in the model's state pool and are
-indexed by slot, so a graph never needs re-capturing when requests move between slots. Page
-tables are refreshed outside the graph every step (a host-to-device copy into the static table).
+indexed by slot, so a graph never needs re-capturing when requests move between slots. Each
+step's rows and page table are written to pinned host buffers, which the graph's first kernel
+reads (no copy call, no event on the host's critical path).
 
 Graphs are made only by the pre-capture sweep, in lockstep across ranks, one phase per command:
 ``Warmup`` (one eager all-reduce per bucket size, and one eager step per bucket so every kernel
@@ -27,7 +28,6 @@ import time
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 
-import numpy as np
 import structlog
 import torch
 import torch.distributed as dist
@@ -39,6 +39,7 @@ from worker.buckets import bucket_for, buckets_up_to, state_slot_layout
 from worker.config import ranks_on_this_host
 from worker.errors import WorkerStateError
 from worker.faults import fault_point
+from worker.graph_inputs import DecodeInputs
 
 log = structlog.get_logger("phalanx.graphs")
 
@@ -125,10 +126,6 @@ def padding_slots(
     return free
 
 
-# Page-table views kept for reuse, one per (bucket, width) seen; widths grow a page at a time.
-_TABLE_VIEWS_KEPT = 256
-
-
 class DecodeGraphRunner:
     """Bucketed static-buffer decode for one rank, with CUDA graphs where they can be used."""
 
@@ -149,27 +146,15 @@ class DecodeGraphRunner:
         if blocker is not None:
             _log_gate_once(blocker, rank)
 
-        # Tokens, positions and state slots are the rows of one [3, top] buffer, and the page table
-        # has a pinned host twin, so staging a step is two host-to-device copies.
-        self._rows = torch.zeros((3, top), dtype=torch.int64, device=device)
-        self._tokens, self._positions, self._slots = self._rows.unbind(0)
-        self._slots.copy_(torch.arange(top))
-        self._page_table = torch.full(
-            (top, geometry.max_pages), geometry.padding_page, dtype=torch.int32, device=device
+        # With graphs, each graph's first kernel loads the step's rows from pinned memory itself.
+        self.inputs = DecodeInputs(
+            top, geometry.max_pages, geometry.padding_page, device, in_graph=self.uses_cuda_graphs
         )
-        pin = device.type == "cuda"
-        self._host_rows = torch.zeros((3, top), dtype=torch.int64, pin_memory=pin)
-        # Contiguous [bucket, width] staging for the page-table columns a step uses.
-        self._host_table = torch.zeros(top * geometry.max_pages, dtype=torch.int32, pin_memory=pin)
-        self._host_rows_np = self._host_rows.numpy()
-        self._table_view_cache: dict[tuple[int, int], tuple[np.ndarray, torch.Tensor, torch.Tensor]] = {}
 
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
         self._pool: tuple[int, int] | None = None
         self._capture_stream = torch.cuda.Stream(self.device) if self.uses_cuda_graphs else None
-        # Set after each step's host-to-device copies: pinned staging is reused only once they ran.
-        self._staged: torch.cuda.Event | None = None
         self._warmed = False
         self._captured: set[int] = set()
         self._launched: set[int] = set()
@@ -207,7 +192,7 @@ class DecodeGraphRunner:
         # that is most of the sweep, so each new tuning key's configs compile side by side.
         with parallel_compile(ranks_on_this_host(self.geometry.world_size)):
             for bucket in self.buckets:
-                self._stage_padding_only(bucket)
+                self._stage_padding(bucket)
                 with self._on_capture_stream():
                     if self.geometry.world_size > 1:
                         probe = torch.zeros(
@@ -235,16 +220,16 @@ class DecodeGraphRunner:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
         before = _memory_in_use(self.device)
-        self._stage_padding_only(bucket)
         if self.uses_cuda_graphs:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            batch = self._static_batch(bucket, pages=self.geometry.max_pages)
+            batch = self.inputs.batch(bucket, pages=self.geometry.max_pages)
             # torch.cuda.graph records and instantiates; it does not launch (Launch does).
             with torch.cuda.graph(
                 graph, pool=self._pool, stream=self._capture_stream, capture_error_mode="thread_local"
             ):
+                self.inputs.load(bucket)  # the graph's first node: the staged rows onto the GPU
                 output = self.model.decode(batch)
             self._graphs[bucket] = graph
             self._outputs[bucket] = output
@@ -263,7 +248,7 @@ class DecodeGraphRunner:
         if bucket not in self._captured:
             raise GraphError(f"pre-capture launch of bucket {bucket} before its capture")
         started = time.perf_counter()
-        self._stage_padding_only(bucket)
+        self._stage_padding(bucket)
         if self.uses_cuda_graphs:
             self._graphs[bucket].replay()
         else:
@@ -327,73 +312,29 @@ class DecodeGraphRunner:
     # ------------------------------------------------------------------ static buffers
 
     def _stage_rows(self, batch: DecodeBatch, bucket: int, occupied: Collection[int]) -> int:
-        # Filled through numpy views of the pinned buffers: a step's staging is on the critical
-        # path of every decode step, and a numpy slice assignment costs a fraction of a torch op.
-        n = batch.tokens.shape[0]
-        if self._staged is not None:
-            self._staged.synchronize()  # the previous step's copies have read the pinned buffers
-        slots = batch.state_slots.numpy()
-        pad = padding_slots(slots.tolist(), bucket, self._candidates, occupied)
+        """Stages the batch's rows and padding rows for ``bucket``; returns the page-table width."""
         width = batch.page_table.shape[1]
         if width > self.geometry.max_pages:
             raise GraphError(
                 f"decode row page table has {width} pages, more than the graph page-table width "
                 f"{self.geometry.max_pages}"
             )
-        rows = self._host_rows_np
-        rows[0, :n] = batch.tokens.numpy()
-        rows[1, :n] = batch.positions.numpy()
-        rows[2, :n] = slots
-        rows[:2, n:bucket] = 0
-        if pad:
-            rows[2, n:bucket] = pad
-        # All three rows in one contiguous copy (6 KB at most; columns past the bucket are unused).
-        self._rows.copy_(self._host_rows, non_blocking=True)
-        # Columns past a row's own pages keep older (valid) page ids: a kernel reads only up
-        # to the row's position. Padding rows sit at position 0 and read the padding page.
-        columns = max(width, 1)
-        table, host_table, device_table = self._table_views(bucket, columns)
-        table[:n, :width] = batch.page_table.numpy()
-        table[n:] = self.geometry.padding_page
-        device_table.copy_(host_table, non_blocking=True)
-        if self.device.type == "cuda":
-            if self._staged is None:
-                self._staged = torch.cuda.Event()
-            self._staged.record()
-        return columns
-
-    def _table_views(self, bucket: int, columns: int) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
-        """A [bucket, columns] page table's pinned staging (numpy and torch views of one buffer) and
-        its device view, made once each."""
-        views = self._table_view_cache.get((bucket, columns))
-        if views is None:
-            if len(self._table_view_cache) >= _TABLE_VIEWS_KEPT:  # widths grow with the context
-                self._table_view_cache.clear()
-            host = self._host_table[: bucket * columns].view(bucket, columns)
-            views = (host.numpy(), host, self._page_table[:bucket, :columns])
-            self._table_view_cache[(bucket, columns)] = views
-        return views
-
-    def _stage_padding_only(self, bucket: int) -> None:
-        """Every row padding: what the sweep captures and launches (all slots are free then)."""
-        self._tokens[:bucket].zero_()
-        self._positions[:bucket].zero_()
-        self._slots[:bucket].copy_(torch.tensor(self._candidates[:bucket], dtype=torch.int64))
-        self._page_table[:bucket].fill_(self.geometry.padding_page)
-
-    def _static_batch(self, bucket: int, pages: int) -> DecodeBatch:
-        return DecodeBatch(
-            tokens=self._tokens[:bucket],
-            positions=self._positions[:bucket],
-            state_slots=self._slots[:bucket],
-            page_table=self._page_table[:bucket, :pages],
+        slots = batch.state_slots.numpy()
+        pad = padding_slots(slots.tolist(), bucket, self._candidates, occupied)
+        return self.inputs.stage(
+            batch.tokens.numpy(), batch.positions.numpy(), slots, pad, batch.page_table.numpy(), bucket
         )
+
+    def _stage_padding(self, bucket: int) -> None:
+        """Every row padding: what the sweep captures and launches (all slots are free then)."""
+        self.inputs.stage_padding(bucket, self._candidates[:bucket])
 
     def _eager(self, bucket: int, pages: int = 1) -> torch.Tensor:
         # Eager runs need not read the whole page-table width; graphs are captured at full width.
         width = self.geometry.max_pages if self.uses_cuda_graphs else pages
         self.eager_steps += 1
-        return self.model.decode(self._static_batch(bucket, pages=width))
+        self.inputs.load(bucket)
+        return self.model.decode(self.inputs.batch(bucket, pages=width))
 
     @contextlib.contextmanager
     def _on_capture_stream(self) -> Iterator[None]:

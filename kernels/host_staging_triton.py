@@ -1,0 +1,94 @@
+"""A decode graph's first kernel: the step's inputs read straight from pinned host memory.
+
+The host writes a graph step's rows (tokens, positions, state slots) and page table into pinned
+buffers. Copying those to the graph's static device buffers took two host-to-device copy calls and
+an event record per step: 30-55 µs of host time on the H200 hosts, all of it on the step's critical
+path, since the GPU has nothing else to do meanwhile. This kernel is captured as the graph's first
+node instead. Pinned memory is mapped into the GPU's address space (unified addressing), so it
+reads the buffers over PCIe as the replay runs (``.cv`` loads: never a cached copy, the host
+rewrites them between replays) and writes the static buffers; a step's host work is filling the
+buffers and the replay.
+
+The pinned header (int64) carries what changes with every step besides the rows:
+
+- ``HEADER_SEQ``: the step's sequence number, written last by the host;
+- ``HEADER_COLUMNS``: the page-table width staged this step (the host table is ``[bucket, columns]``,
+  compact); the device table is ``[top, max_pages]``, and columns past ``columns`` keep what they
+  held (valid page ids: kernels read a row's pages only up to its position);
+- ``HEADER_ACK``: set to the sequence number by the last program to finish, after every program's
+  reads: once the host sees it, the buffers may be refilled (``worker/graph_inputs.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+HEADER_SEQ, HEADER_COLUMNS, HEADER_ACK = 0, 1, 2
+HEADER_SIZE = 4
+_BLOCK = 128  # page ids a program copies per loop step
+
+
+@triton.jit
+def _load_staged_kernel(
+    header_ptr, host_rows_ptr, host_table_ptr, rows_ptr, table_ptr, arrivals_ptr, top, max_pages,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    columns = tl.load(header_ptr + 1, cache_modifier=".cv")  # HEADER_COLUMNS
+    for i in tl.static_range(3):  # tokens, positions, state slots
+        tl.store(rows_ptr + i * top + row, tl.load(host_rows_ptr + i * top + row, cache_modifier=".cv"))
+    offsets = tl.arange(0, BLOCK)
+    for first in range(0, columns, BLOCK):
+        cols = first + offsets
+        mask = cols < columns
+        pages = tl.load(host_table_ptr + row * columns + cols, mask=mask, cache_modifier=".cv")
+        tl.store(table_ptr + row * max_pages + cols, pages, mask=mask)
+    # The last program to arrive, after every program has read its share, tells the host.
+    tl.debug_barrier()
+    if tl.atomic_add(arrivals_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+        seq = tl.load(header_ptr + 0, cache_modifier=".cv")  # HEADER_SEQ
+        tl.store(header_ptr + 2, seq, cache_modifier=".wt")  # HEADER_ACK
+        tl.store(arrivals_ptr, 0)
+
+
+def load_staged_triton(
+    header: torch.Tensor,
+    host_rows: torch.Tensor,
+    host_table: torch.Tensor,
+    rows: torch.Tensor,
+    table: torch.Tensor,
+    arrivals: torch.Tensor,
+    bucket: int,
+) -> None:
+    """Copies the first ``bucket`` columns of ``host_rows`` [3, top] into ``rows`` [3, top] and the
+    compact ``[bucket, header[HEADER_COLUMNS]]`` page table at the start of ``host_table`` into
+    ``table`` [top, max_pages], then acknowledges ``header[HEADER_SEQ]`` in ``header[HEADER_ACK]``.
+    ``arrivals`` is an int32 counter on the device, zero between launches."""
+    top, max_pages = rows.shape[1], table.shape[1]
+    if host_rows.shape != rows.shape or not rows.is_contiguous() or not table.is_contiguous():
+        raise ValueError(
+            f"staging buffers do not match: host rows {tuple(host_rows.shape)}, rows {tuple(rows.shape)}, "
+            f"table {tuple(table.shape)} (both contiguous)"
+        )
+    if not 1 <= bucket <= top or table.shape[0] != top:
+        raise ValueError(f"staging bucket {bucket} outside 1..{top} or table rows {table.shape[0]} != {top}")
+    _load_staged_kernel[(bucket,)](
+        header, host_rows, host_table, rows, table, arrivals, top, max_pages, BLOCK=_BLOCK, num_warps=1
+    )
+
+
+def load_staged_ref(
+    header: torch.Tensor,
+    host_rows: torch.Tensor,
+    host_table: torch.Tensor,
+    rows: torch.Tensor,
+    table: torch.Tensor,
+    bucket: int,
+) -> None:
+    """What ``load_staged_triton`` does, in torch."""
+    columns = int(header[HEADER_COLUMNS])
+    rows[:, :bucket].copy_(host_rows[:, :bucket])
+    table[:bucket, :columns].copy_(host_table[: bucket * columns].view(bucket, columns))
+    header[HEADER_ACK] = header[HEADER_SEQ]

@@ -1,0 +1,149 @@
+"""The static decode inputs a rank's graphs read, and how each step's rows get into them.
+
+Tokens, positions and state slots are the rows of one ``[3, top]`` device buffer, beside a
+``[top, max_pages]`` page table; both have pinned host twins, filled through numpy views (a step's
+staging is on the critical path of every decode step, and a numpy slice assignment costs a
+fraction of a torch op). Padding rows (the bucket's rows past the batch) get token 0, position 0,
+a free state slot and the padding page.
+
+Two ways from the host buffers to the device ones:
+
+- **In the graph** (CUDA graphs): the graph's first kernel reads the pinned buffers itself
+  (``kernels/host_staging_triton.py``), so a step costs no copy call and no event. Before the host
+  refills the buffers it checks that the previous step's kernel has acknowledged reading them (a
+  pinned word the kernel writes); if not, it synchronises the device first.
+- **By copies** (CPU, or CUDA without graphs): two host-to-device copies a step, and an event that
+  the next step waits on before it reuses the pinned buffers.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kernels.host_staging_triton import HEADER_ACK, HEADER_COLUMNS, HEADER_SEQ, HEADER_SIZE
+from models.qwen35 import DecodeBatch
+
+# Page-table views kept for reuse (copy mode), one per (bucket, width) seen; widths grow a page at a time.
+TABLE_VIEWS_KEPT = 256
+
+
+class DecodeInputs:
+    """One rank's static decode buffers for buckets up to ``top`` rows and ``max_pages`` pages a row."""
+
+    def __init__(
+        self, top: int, max_pages: int, padding_page: int, device: torch.device, in_graph: bool
+    ) -> None:
+        self.top, self.max_pages, self.padding_page = top, max_pages, padding_page
+        self.device = device
+        self.in_graph = in_graph
+        self.rows = torch.zeros((3, top), dtype=torch.int64, device=device)
+        self.tokens, self.positions, self.slots = self.rows.unbind(0)
+        self.slots.copy_(torch.arange(top))
+        self.page_table = torch.full((top, max_pages), padding_page, dtype=torch.int32, device=device)
+        pin = device.type == "cuda"
+        self._host_rows = torch.zeros((3, top), dtype=torch.int64, pin_memory=pin)
+        # The first bucket x width entries hold a step's compact [bucket, width] page table.
+        self._host_table = torch.zeros(top * max_pages, dtype=torch.int32, pin_memory=pin)
+        self._host_rows_np = self._host_rows.numpy()
+        self._host_table_np = self._host_table.numpy()
+        self._table_views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._copied: torch.cuda.Event | None = None  # copy mode: set after each step's copies
+        if in_graph:
+            self._header = torch.zeros(HEADER_SIZE, dtype=torch.int64, pin_memory=True)
+            self._header_np = self._header.numpy()
+            self._arrivals = torch.zeros(1, dtype=torch.int32, device=device)
+
+    def stage(
+        self,
+        tokens: np.ndarray,
+        positions: np.ndarray,
+        slots: np.ndarray,
+        padding: list[int],
+        table: np.ndarray,
+        bucket: int,
+    ) -> int:
+        """Writes ``n`` rows (and ``bucket - n`` padding rows taking the slots ``padding``) and their
+        ``[n, width]`` page table; returns the staged width (at least 1). In copy mode the device
+        buffers hold them once this returns (in stream order); in graph mode once the graph's
+        first kernel (``load``) has run."""
+        n, width = len(tokens), table.shape[1]  # width <= max_pages: the runner checks it
+        self._wait_until_reusable()
+        rows = self._host_rows_np
+        rows[0, :n] = tokens
+        rows[1, :n] = positions
+        rows[2, :n] = slots
+        rows[:2, n:bucket] = 0
+        if padding:
+            rows[2, n:bucket] = padding
+        columns = max(width, 1)
+        staged = self._host_table_np[: bucket * columns].reshape(bucket, columns)
+        staged[:n, :width] = table
+        staged[n:] = self.padding_page
+        if self.in_graph:
+            self._header_np[HEADER_COLUMNS] = columns
+            self._header_np[HEADER_SEQ] += 1  # last: the step is staged
+        else:
+            self._copy_to_device(bucket, columns)
+        return columns
+
+    def stage_padding(self, bucket: int, padding: list[int]) -> None:
+        """Every row padding (what the pre-capture sweep runs), taking the slots ``padding``."""
+        none = np.zeros(0, dtype=np.int64)
+        self.stage(none, none, none, padding, np.zeros((0, 1), dtype=np.int32), bucket)
+
+    def load(self, bucket: int) -> None:
+        """Graph mode: launch the kernel that moves the staged rows of ``bucket`` onto the device
+        (captured as a graph's first node; run eagerly before an eager step). Copy mode: nothing."""
+        if self.in_graph:
+            from kernels.host_staging_triton import load_staged_triton
+
+            load_staged_triton(
+                self._header,
+                self._host_rows,
+                self._host_table,
+                self.rows,
+                self.page_table,
+                self._arrivals,
+                bucket,
+            )
+
+    def batch(self, bucket: int, pages: int) -> DecodeBatch:
+        """The static buffers' first ``bucket`` rows and ``pages`` page-table columns."""
+        return DecodeBatch(
+            tokens=self.tokens[:bucket],
+            positions=self.positions[:bucket],
+            state_slots=self.slots[:bucket],
+            page_table=self.page_table[:bucket, :pages],
+        )
+
+    def _wait_until_reusable(self) -> None:
+        """Blocks until nothing on the GPU still reads the pinned buffers of the previous step."""
+        if self.in_graph:
+            if self._header_np[HEADER_ACK] != self._header_np[HEADER_SEQ]:
+                # Its graph has not run its first kernel yet (or the step was never replayed).
+                torch.cuda.synchronize(self.device)
+                self._header_np[HEADER_ACK] = self._header_np[HEADER_SEQ]
+        elif self._copied is not None:
+            self._copied.synchronize()
+
+    def _copy_to_device(self, bucket: int, columns: int) -> None:
+        # All three rows in one contiguous copy (6 KB at most; columns past the bucket are unused).
+        self.rows.copy_(self._host_rows, non_blocking=True)
+        host_table, device_table = self._table_view(bucket, columns)
+        device_table.copy_(host_table, non_blocking=True)
+        if self.device.type == "cuda":
+            if self._copied is None:
+                self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def _table_view(self, bucket: int, columns: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A [bucket, columns] page table's pinned staging and its device view, made once each."""
+        views = self._table_views.get((bucket, columns))
+        if views is None:
+            if len(self._table_views) >= TABLE_VIEWS_KEPT:  # widths grow with the context
+                self._table_views.clear()
+            host = self._host_table[: bucket * columns].view(bucket, columns)
+            views = (host, self.page_table[:bucket, :columns])
+            self._table_views[(bucket, columns)] = views
+        return views
