@@ -264,6 +264,22 @@ def _check(x: torch.Tensor, w: torch.Tensor, op: str) -> None:
         raise ValueError(f"{op}: x dtype {x.dtype} differs from weight dtype {w.dtype}")
 
 
+# Read-only zero rows per (shape, dtype, device), made outside graph capture and kept: the first
+# layer's pre-norm has no residual, and filling a fresh one cost a kernel every decode step.
+_ZEROS: dict[tuple[object, ...], torch.Tensor] = {}
+
+
+def _zeros_like(x: torch.Tensor) -> torch.Tensor:
+    key = (x.shape, x.dtype, x.device)
+    zeros = _ZEROS.get(key)
+    if zeros is None:
+        zeros = torch.zeros_like(x, memory_format=torch.contiguous_format)
+        # One made during a capture lives in the graph's memory pool: used there, never kept.
+        if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            _ZEROS[key] = zeros
+    return zeros
+
+
 @dataclass(frozen=True)
 class PreNorm:
     """The (1 + w) RMSNorm a linear applies to its input first (see ``kernels/linear.py``): the
@@ -281,7 +297,7 @@ class PreNorm:
     ) -> PreNorm:
         if residual is None:
             # A zero residual keeps one kernel variant (x + 0 is x exactly); the first layer only.
-            residual = torch.zeros_like(x)
+            residual = _zeros_like(x)
         elif residual.shape != x.shape:
             raise ValueError(
                 f"rms_norm_linear: residual {tuple(residual.shape)} differs from x {tuple(x.shape)}"
