@@ -2,7 +2,7 @@
 
 The host writes a graph step's rows (tokens, positions, state slots) and page table into pinned
 buffers. Copying those to the graph's static device buffers took two host-to-device copy calls and
-an event record per step: 30-55 µs of host time on the H200 hosts, all of it on the step's critical
+an event record per step: 33-58 µs of host time on one H200 host, all of it on the step's critical
 path, since the GPU has nothing else to do meanwhile. This kernel is captured as the graph's first
 node instead. Pinned memory is mapped into the GPU's address space (unified addressing), so it
 reads the buffers over PCIe as the replay runs (``.cv`` loads: never a cached copy, the host

@@ -34,7 +34,7 @@ class DecodeInputs:
     def __init__(
         self, top: int, max_pages: int, padding_page: int, device: torch.device, in_graph: bool
     ) -> None:
-        self.top, self.max_pages, self.padding_page = top, max_pages, padding_page
+        self.padding_page = padding_page
         self.device = device
         self.in_graph = in_graph
         self.rows = torch.zeros((3, top), dtype=torch.int64, device=device)
@@ -76,6 +76,8 @@ class DecodeInputs:
         rows[:2, n:bucket] = 0
         if padding:
             rows[2, n:bucket] = padding
+        # Device columns past the staged width keep older (valid) page ids: a kernel reads only up
+        # to the row's position. Padding rows sit at position 0 and read the padding page.
         columns = max(width, 1)
         staged = self._host_table_np[: bucket * columns].reshape(bucket, columns)
         staged[:n, :width] = table

@@ -1,13 +1,13 @@
 """The decode graph runner: one CUDA graph per batch bucket, replayed from static input buffers.
 
-Decode rows are staged into static buffers (tokens, positions, state slots, page table) sized for
-the largest bucket (``worker/graph_inputs.py``); a batch of ``n`` rows runs the graph of ``bucket_for(n)``, whose extra rows
-are padding: token 0 at position 0, every page the padding KV page (page id ``kv_pages``), and a
-free state slot each, so their KV writes and state updates land where nobody reads. Their logits
-are discarded. Recurrent and conv state live at fixed addresses in the model's state pool and are
-indexed by slot, so a graph never needs re-capturing when requests move between slots. Each
-step's rows and page table are written to pinned host buffers, which the graph's first kernel
-reads (no copy call, no event on the host's critical path).
+Decode rows are staged into static buffers (tokens, positions, state slots, page table) sized
+for the largest bucket (``worker/graph_inputs.py``); a batch of ``n`` rows runs the graph of
+``bucket_for(n)``, whose extra rows are padding: token 0 at position 0, every page the padding KV
+page (page id ``kv_pages``), and a free state slot each, so their KV writes and state updates land
+where nobody reads. Their logits are discarded. Recurrent and conv state live at fixed addresses
+in the model's state pool and are indexed by slot, so a graph never needs re-capturing when
+requests move between slots. Each step's rows and page table are written to pinned host buffers,
+which the graph's first kernel reads (no copy call, no event on the host's critical path).
 
 Graphs are made only by the pre-capture sweep, in lockstep across ranks, one phase per command:
 ``Warmup`` (one eager all-reduce per bucket size, and one eager step per bucket so every kernel
