@@ -21,7 +21,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kernels.host_staging_triton import HEADER_ACK, HEADER_COLUMNS, HEADER_SEQ, HEADER_SIZE
+from kernels.host_staging_triton import (
+    HEADER_ACK,
+    HEADER_COLUMNS,
+    HEADER_SEQ,
+    HEADER_SIZE,
+    load_staged_triton,
+)
 from models.qwen35 import DecodeBatch
 
 # Page-table views kept for reuse (copy mode), one per (bucket, width) seen; widths grow a page at a time.
@@ -98,8 +104,6 @@ class DecodeInputs:
         """Graph mode: launch the kernel that moves the staged rows of ``bucket`` onto the device
         (captured as a graph's first node; run eagerly before an eager step). Copy mode: nothing."""
         if self.in_graph:
-            from kernels.host_staging_triton import load_staged_triton
-
             load_staged_triton(
                 self._header,
                 self._host_rows,
