@@ -33,10 +33,10 @@ _BLOCK = 128  # page ids a program copies per loop step
 @triton.jit
 def _load_staged_kernel(
     header_ptr, host_rows_ptr, host_table_ptr, rows_ptr, table_ptr, arrivals_ptr, top, max_pages,
-    BLOCK: tl.constexpr,
+    SEQ: tl.constexpr, COLUMNS: tl.constexpr, ACK: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
-    columns = tl.load(header_ptr + 1, cache_modifier=".cv")  # HEADER_COLUMNS
+    columns = tl.load(header_ptr + COLUMNS, cache_modifier=".cv")
     for i in tl.static_range(3):  # tokens, positions, state slots
         tl.store(rows_ptr + i * top + row, tl.load(host_rows_ptr + i * top + row, cache_modifier=".cv"))
     offsets = tl.arange(0, BLOCK)
@@ -48,8 +48,8 @@ def _load_staged_kernel(
     # The last program to arrive, after every program has read its share, tells the host.
     tl.debug_barrier()
     if tl.atomic_add(arrivals_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
-        seq = tl.load(header_ptr + 0, cache_modifier=".cv")  # HEADER_SEQ
-        tl.store(header_ptr + 2, seq, cache_modifier=".wt")  # HEADER_ACK
+        seq = tl.load(header_ptr + SEQ, cache_modifier=".cv")
+        tl.store(header_ptr + ACK, seq, cache_modifier=".wt")
         tl.store(arrivals_ptr, 0)
 
 
@@ -75,8 +75,9 @@ def load_staged_triton(
     if not 1 <= bucket <= top or table.shape[0] != top:
         raise ValueError(f"staging bucket {bucket} outside 1..{top} or table rows {table.shape[0]} != {top}")
     _load_staged_kernel[(bucket,)](
-        header, host_rows, host_table, rows, table, arrivals, top, max_pages, BLOCK=_BLOCK, num_warps=1
-    )
+        header, host_rows, host_table, rows, table, arrivals, top, max_pages,
+        SEQ=HEADER_SEQ, COLUMNS=HEADER_COLUMNS, ACK=HEADER_ACK, BLOCK=_BLOCK, num_warps=1,
+    )  # fmt: skip
 
 
 def load_staged_ref(
