@@ -33,6 +33,12 @@ def linear_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(x, w)
 
 
+def linear_fp32_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, K], w [N, K] -> [M, N] in float32, from float32 operands (CPU torch has no bf16 matmul
+    with a float32 result; an fp32 model passes through without a copy)."""
+    return F.linear(x.float(), w.float())
+
+
 def linear_silu_and_mul_ref(x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
     """x [M, K], w_gate_up [2I, K] -> silu(x @ w_gate[:I].T) * (x @ w_gate_up[I:].T), [M, I]."""
     return silu_and_mul_ref(F.linear(x, w_gate_up))

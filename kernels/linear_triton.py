@@ -196,7 +196,8 @@ _skinny_gemm = _autotuned(
 )
 
 
-_KEY_FIELDS = ("N", "K", "BLOCK_M", "fused", "pre_norm", "dtype")  # of a tuning key, after the kernel's name
+# The fields of a tuning key, after the kernel's name.
+_KEY_FIELDS = ("N", "K", "BLOCK_M", "fused", "pre_norm", "dtype", "out_dtype")
 # The autotuner's pick per tuning key, once it has tuned (or loaded) it outside graph capture.
 _best_configs: dict[tuple[object, ...], triton.Config] = {}
 # Per tuning key, whether cuBLAS measured faster than the tuned Triton kernel (decided eagerly).
@@ -312,21 +313,24 @@ def _launch(
     silu_mul: bool,
     norm: PreNorm | None = None,
     out: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, h): y = f(x) @ w.T over n_out rows (or the fused silu(gate) * up over rows j and
     j + n_out), where f is ``norm`` or the identity, and h the residual stream the norm leaves
     (x itself without one); for a tuning key where cuBLAS measured faster, cuBLAS's answer.
-    ``out`` (plain linears only) receives y instead of a new tensor."""
+    ``out`` (plain linears only) receives y instead of a new tensor; ``out_dtype`` (plain linears
+    only, default x's) is the dtype of a new y, which the kernels store from their fp32 sums."""
     m, k = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
+    y_dtype = x.dtype if out_dtype is None else out_dtype
     block_m = 1 if m == 1 else min(max(next_pow2(m), _DOT_MIN_M), _DOT_MAX_BLOCK_M)
     kind = "gemm" if m > 1 else "gemv" if norm is None else "normed_gemv"
-    key = (kind, n_out, k, block_m, silu_mul, norm is not None, x.dtype)
+    key = (kind, n_out, k, block_m, silu_mul, norm is not None, x.dtype, y_dtype)
     decided = _cublas_faster.get(key)
     if decided:
-        return _cublas(x, w, silu_mul, norm, out)
-    y = torch.empty((m, n_out), dtype=x.dtype, device=x.device) if out is None else out
+        return _cublas(x, w, silu_mul, norm, out, out_dtype)
+    y = torch.empty((m, n_out), dtype=y_dtype, device=x.device) if out is None else out
     if m == 0 or n_out == 0:
         return y, x if norm is None else norm.h
     constexprs: dict[str, Any] = {"SILU_MUL": silu_mul, "USE_PDL": pdl_enabled()}
@@ -362,20 +366,27 @@ def _launch(
         best = _best_configs.get(key)
         config = None if best is None else f"{best.kwargs} warps={best.num_warps} stages={best.num_stages}"
         _cublas_faster[key] = cublas_beats_triton(
-            key[0], shape, config, run, lambda: _cublas(x, w, silu_mul, norm)
+            key[0], shape, config, run, lambda: _cublas(x, w, silu_mul, norm, out_dtype=out_dtype)
         )
         if _cublas_faster[key]:  # from its first call on, a key answers from one backend only
-            return _cublas(x, w, silu_mul, norm, out)
+            return _cublas(x, w, silu_mul, norm, out, out_dtype)
     return y, h
 
 
 def _cublas(
-    x: torch.Tensor, w: torch.Tensor, silu_mul: bool, norm: PreNorm | None, out: torch.Tensor | None = None
+    x: torch.Tensor,
+    w: torch.Tensor,
+    silu_mul: bool,
+    norm: PreNorm | None,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The same op through cuBLAS, with the separate norm kernel before it and the SiLU-and-mul
     kernel after it where the op fuses them."""
     if out is not None:  # a plain linear into the caller's buffer (F.linear is this same mm)
         return torch.mm(x, w.t(), out=out), x
+    if out_dtype is not None and out_dtype != x.dtype:  # a plain linear: cuBLAS stores its fp32 sums
+        return torch.mm(x, w.t(), out_dtype=out_dtype), x
     h = x
     if norm is not None:
         from kernels.norms_triton import rms_norm_triton
@@ -395,6 +406,12 @@ def linear_triton(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = N
     if out is not None:
         check_out(out, x, w)
     return _launch(x, w, w.shape[0], silu_mul=False, out=out)[0]
+
+
+def linear_fp32_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w.T in float32, the kernels' sums never rounded to x's dtype (the vocab head's logits)."""
+    _check(x, w, "linear_fp32")
+    return _launch(x, w, w.shape[0], silu_mul=False, out_dtype=torch.float32)[0]
 
 
 def _gate_up_rows(w_gate_up: torch.Tensor) -> int:

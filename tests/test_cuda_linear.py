@@ -202,7 +202,7 @@ def test_split_k_gemm_matches_reference_and_replays_in_a_graph(
     n_out = w.shape[0] // 2 if fused else w.shape[0]
     assert linear_split_k.split_k_allowed(n_out, w.shape[1], DEV)
     op = linear_silu_and_mul_triton if fused else linear_triton
-    key = ("gemm", n_out, w.shape[1], 16 if m <= 16 else 64, fused, False, BF16)
+    key = ("gemm", n_out, w.shape[1], 16 if m <= 16 else 64, fused, False, BF16, BF16)
     forced = triton.Config({"BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": split}, num_warps=4, num_stages=4)
     monkeypatch.setitem(linear_triton_module._best_configs, key, forced)
     monkeypatch.setitem(linear_triton_module._cublas_faster, key, False)
@@ -256,6 +256,23 @@ def test_linear_into_an_out_buffer_equals_the_fresh_result(m: int, weights: dict
     assert torch.equal(ops.linear(x, w, out=torch.empty_like(fresh)), ops.linear(x, w))
 
 
+@pytest.mark.parametrize("m", (1, 64))
+def test_fp32_logits_keep_their_sums_on_both_backends(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The vocab head's logits (``ops.linear_fp32``) from the tuned Triton kernel and from cuBLAS
+    (``out_dtype=float32``): float32, and far closer to an fp64 reference than bf16 rounding is."""
+    w = (torch.randn(4096, 2560, device=DEV) * 2560**-0.5).to(BF16)
+    x = torch.randn(m, 2560, device=DEV).to(BF16)
+    ref = x.double() @ w.double().t()
+    from_triton = ops.linear_fp32(x, w)
+    key = ("gemv" if m == 1 else "gemm", 4096, 2560, 1 if m == 1 else 64, False, False, BF16, torch.float32)
+    monkeypatch.setitem(linear_triton_module._cublas_faster, key, True)
+    from_cublas = ops.linear_fp32(x, w)
+    rounding = (F.linear(x, w).double() - ref).abs().max()
+    for name, logits in (("triton", from_triton), ("cublas", from_cublas)):
+        assert logits.dtype == torch.float32, name
+        assert (logits.double() - ref).abs().max() < rounding / 10, name
+
+
 def test_untuned_shape_inside_capture_is_refused() -> None:
     w = torch.randn(336, 272, device=DEV).to(BF16)  # a shape no other test uses
     x = torch.randn(1, 272, device=DEV).to(BF16)
@@ -278,6 +295,6 @@ def test_cublas_race_decides_each_key_once_and_both_answers_are_right(
         ref = F.linear(x.float(), w.float())
         first = linear_triton(x, w)  # tunes, then races the tuned kernel against cuBLAS
         block_m = 1 if m == 1 else 64
-        key = ("gemv" if m == 1 else "gemm", 2560, 9216, block_m, False, False, BF16)
+        key = ("gemv" if m == 1 else "gemm", 2560, 9216, block_m, False, False, BF16, BF16)
         assert key in linear_triton_module._cublas_faster, f"M={m}: no backend decision recorded"
         assert rel(first, ref) <= TOL and rel(linear_triton(x, w), ref) <= TOL

@@ -32,12 +32,14 @@ def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def _case(m: int, n: int, k: int) -> dict[str, float]:
     from kernels.linear import (
+        linear_fp32_ref,
         linear_ref,
         linear_silu_and_mul_ref,
         rms_norm_linear_ref,
         rms_norm_linear_silu_and_mul_ref,
     )
     from kernels.linear_triton import (
+        linear_fp32_triton,
         linear_silu_and_mul_triton,
         linear_triton,
         rms_norm_linear_silu_and_mul_triton,
@@ -54,6 +56,10 @@ def _case(m: int, n: int, k: int) -> dict[str, float]:
         "fused": _rel(linear_silu_and_mul_triton(x, w_gate_up), linear_silu_and_mul_ref(x, w_gate_up)),
         "strided_x": _rel(linear_triton(strided_x, w), linear_ref(strided_x, w)),
     }
+    # The vocab head's fp32 logits: float32, and the sums kept (bf16 rounding alone is ~2e-3).
+    logits = linear_fp32_triton(x, w)
+    errors["fp32_dtype"] = float(logits.dtype != torch.float32)
+    errors["fp32_rounded"] = float(_rel(logits, linear_fp32_ref(x, w)) > 1e-4)
     # The pre-norm in the prologue: with a residual (h written), without one, with strided x.
     for name, op, ref, weight in (
         ("norm", rms_norm_linear_triton, rms_norm_linear_ref, w),
@@ -254,6 +260,17 @@ def test_linear_writes_into_a_given_out_buffer_of_its_exact_shape() -> None:
         ops.linear(x, w, out=torch.empty(10, 3).t())
 
 
+def test_fp32_linear_keeps_the_sums_in_float32_on_cpu() -> None:
+    from kernels import ops
+
+    x, w = torch.randn(3, 16).to(BF16), torch.randn(10, 16).to(BF16)
+    logits = ops.linear_fp32(x, w)
+    assert logits.dtype == torch.float32
+    assert torch.allclose(logits, x.double().matmul(w.double().t()).float(), rtol=1e-5, atol=1e-5)
+    x32, w32 = x.float(), w.float()
+    assert torch.equal(ops.linear_fp32(x32, w32), torch.nn.functional.linear(x32, w32))
+
+
 def test_triton_linear_rejects_mismatched_shapes() -> None:
     from kernels.linear_triton import linear_silu_and_mul_triton, linear_triton
 
@@ -274,14 +291,29 @@ if __name__ == "__main__":
     report(CASES)
 
 
+def test_the_race_times_both_sides_in_turn_so_a_rising_clock_slows_both_alike(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Graphs and replays faked (they need a GPU): both sides cost the same at full clock, and the
+    clock rises from half speed over the race's first replays, as on a GPU coming out of idle."""
+    from kernels import linear_race
+
+    cost = {None: 40.0, "triton": 60.0, "cublas": 60.0}  # µs per call at full clock; None: the flush
+    replays = iter(range(1000))
+    monkeypatch.setattr(linear_race, "_graph", lambda run: run())
+    monkeypatch.setattr(
+        linear_race, "_replay_us", lambda graph: cost[graph] * max(1.0, 2.0 - next(replays) / 10)
+    )
+    assert linear_race._race_us(lambda: "triton", lambda: "cublas") == [20.0, 20.0]
+
+
 def test_a_key_where_cublas_measured_faster_takes_cublas(monkeypatch: pytest.MonkeyPatch) -> None:
     """The race between the tuned Triton kernel and cuBLAS (timings faked: it runs on a GPU) and
     the dispatch that follows its answer."""
     from kernels import linear_race, linear_triton
 
-    timings = iter([2.0, 1.0])  # Triton, then cuBLAS: cuBLAS is faster
-    monkeypatch.setattr(linear_race, "_op_us", lambda run: next(timings))
-    key = ("gemm", 10, 16, 16, False, False, torch.float32)
+    monkeypatch.setattr(linear_race, "_race_us", lambda *runs: [2.0, 1.0])  # Triton, cuBLAS: cuBLAS faster
+    key = ("gemm", 10, 16, 16, False, False, torch.float32, torch.float32)
     shape = {"N": "10", "K": "16"}
     assert linear_race.cublas_beats_triton("gemm", shape, None, lambda: None, lambda: None) is True
     monkeypatch.setenv("PHALANX_LINEAR", "triton")

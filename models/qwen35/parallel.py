@@ -79,5 +79,5 @@ class VocabParallelHead:
         self.tp = tp
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        local = ops.linear(hidden, self.weight).float()
+        local = ops.linear_fp32(hidden, self.weight)
         return self.tp.all_gather_last_dim(local)
