@@ -6,6 +6,12 @@ them: launches cost ~1 µs there and the weights come from HBM. The flush is a r
 leaves L2 full of dirty lines, whose write-back then slows the op's weight reads), and its own time
 is taken off both sides. cuBLAS must then beat Triton by 2 %, plus the ~1 µs a Triton kernel gains
 under programmatic dependent launch in a real step, which this one-at-a-time timing cannot see.
+
+The two sides' graphs (and the flush's own) replay in turn, round after round, and each side
+takes its median: a GPU whose clock is still rising from idle when a process races its first keys
+slows both sides alike. Timed one side after the other, the first race of a process on the H200
+measured the Triton in_proj at 26.5 µs (17.6-18.5 in every other run) and handed batch-1 in_proj
+to cuBLAS for the life of that process (2026-12-01).
 """
 
 from __future__ import annotations
@@ -45,8 +51,7 @@ def cublas_beats_triton(
     in the log line). ``PHALANX_LINEAR=triton`` skips the race."""
     if os.environ.get("PHALANX_LINEAR", "auto").strip().lower() == "triton":
         return False
-    triton_us = _op_us(triton_run)
-    cublas_us = _op_us(cublas_run)
+    triton_us, cublas_us = _race_us(triton_run, cublas_run)
     pdl_credit_us = _PDL_CREDIT_US if pdl_enabled() else 0.0
     faster = cublas_us + pdl_credit_us < _CUBLAS_MARGIN * triton_us
     log.info(
@@ -67,20 +72,24 @@ def _l2_flush_buffer(device: int) -> torch.Tensor:
     return torch.ones(_L2_FLUSH_BYTES // 8, dtype=torch.int64, device=f"cuda:{device}")
 
 
-def _op_us(run: Callable[[], object]) -> float:
-    """µs of one call of ``run`` from HBM: ``_graph_us`` less what the L2 flush alone adds to each
-    call (~40 µs), so the race's margin compares the ops themselves."""
-    return _graph_us(run) - _flush_us(torch.cuda.current_device())
+def _race_us(*runs: Callable[[], object]) -> list[float]:
+    """µs of one call of each of ``runs`` from HBM: the median per call of its graph of (L2 flush,
+    run) x _RACE_CALLS, less the same for the flush alone (~40 µs a call); the graphs replay in
+    turn, one round after another, so a drifting clock slows every side alike."""
+    graphs = [_graph(lambda: None), *(_graph(run) for run in runs)]
+    for graph in graphs:  # a graph's first replay also uploads it: not timed
+        _replay_us(graph)
+    times: list[list[float]] = [[] for _ in graphs]
+    for _ in range(_RACE_REPLAYS):
+        for graph, replays in zip(graphs, times, strict=True):
+            replays.append(_replay_us(graph))
+    flush_us, *run_us = (statistics.median(replays) for replays in times)
+    return [us - flush_us for us in run_us]
 
 
-@functools.cache
-def _flush_us(device: int) -> float:
-    return _graph_us(lambda: None)
-
-
-def _graph_us(run: Callable[[], object]) -> float:
-    """Median µs of one replay of a CUDA graph of (L2 flush, ``run``) x _RACE_CALLS, divided by the
-    calls: how the op runs in a decode graph, where launches cost ~1 µs and the weights come from HBM."""
+def _graph(run: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of (L2 flush, ``run``) x _RACE_CALLS: how the op runs in a decode graph, where
+    launches cost ~1 µs and the weights come from HBM."""
     flush = _l2_flush_buffer(torch.cuda.current_device())
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -94,13 +103,14 @@ def _graph_us(run: Callable[[], object]) -> float:
             # then slows the op's weight reads (a decode graph's kernels leave almost none).
             flush.sum()
             run()
-    times = []
-    for _ in range(_RACE_REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / _RACE_CALLS)
-    del graph
-    return statistics.median(times)
+    return graph
+
+
+def _replay_us(graph: torch.cuda.CUDAGraph) -> float:
+    """µs per call of one replay of a ``_graph``."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / _RACE_CALLS
