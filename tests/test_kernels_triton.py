@@ -113,6 +113,20 @@ def check_paged_decode_attention() -> dict[str, float]:
     for splits in (1, 4):
         got = decode_attention_with_splits(q, k_cache, v_cache, page_table, seq_lens, 32**-0.5, splits, gate)
         out[f"gated_splits{splits}"] = _rel(got, gated_ref)
+    # A row of 700 keys cut into 64 splits (22 hold keys, the rest are empty); twice, bit for bit.
+    long_k, long_v = _paged_kv(180, 4, 2, 32)
+    long_table = torch.randperm(180)[:176].view(1, 176).to(torch.int32)
+    long_args = (
+        _rand(1, 8, 32),
+        long_k,
+        long_v,
+        long_table,
+        torch.tensor([700], dtype=torch.int32),
+        32**-0.5,
+    )
+    first = decode_attention_with_splits(*long_args, 64)
+    out["long_splits64"] = _rel(first, paged_decode_attention_ref(*long_args))
+    out["long_repeat_differs"] = float(not torch.equal(first, decode_attention_with_splits(*long_args, 64)))
     return out
 
 
@@ -337,6 +351,7 @@ TOLERANCE = {
     "header_differs": 0.0,
     "untouched_differ": 0.0,
     "counter_left": 0.0,
+    "long_repeat_differs": 0.0,
     "seq_and_columns_kept": 0.0,
     "state": 1e-3,
     "g": 1e-5,
