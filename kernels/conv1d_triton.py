@@ -62,8 +62,12 @@ def _conv_decode_kernel(
 ):
     """One decode step of BLOCK_C channels of one row, as [BLOCK_C, TAPS] tiles (TAPS = K rounded
     up to a power of two): the state, its copy shifted by one tap, the weights and x are all loaded
-    at once, so the step costs one round trip to memory and one barrier, not one per tap."""
-    wait_for_producer(USE_PDL)
+    at once, so the step costs one round trip to memory and one barrier, not one per tap.
+
+    The slot, the stored inputs and the weights are read before the wait for the kernel before
+    this one (under PDL still draining): that kernel writes none of them. The stored inputs were
+    last written by this layer's conv in an earlier step, and a slot copy or prefill that touched
+    them ran before that kernel started (see ``kernels/gdn_step_triton.py``)."""
     b = tl.program_id(0)
     ch = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = ch < C
@@ -71,8 +75,9 @@ def _conv_decode_kernel(
     slot = tl.load(slots_ptr + b)
     state_rows = state_ptr + slot * stride_slot + ch * (K - 1)
     old, later = conv_state_window(state_rows, tap, mask, K)
-    x = tl.load(x_ptr + b * stride_x + ch, mask=mask, other=0.0)
     w = tl.load(w_ptr + ch[:, None] * K + tap[None, :], mask=mask[:, None] & (tap < K)[None, :], other=0.0)
+    wait_for_producer(USE_PDL)
+    x = tl.load(x_ptr + b * stride_x + ch, mask=mask, other=0.0)
     y, shifted = conv_step(old, later, x, w, tap, K)
     # Another thread may hold the old value of an element this thread overwrites: all reads first.
     tl.debug_barrier()

@@ -9,15 +9,19 @@ batch bucket (``kernels/gdn_tiles.py``). Each program
    it reads there is written by that kernel. The recurrent and conv state were last written by
    this layer's step in an earlier decode step, and any slot copy or prefill that touched them ran
    before that kernel started, which PDL implies (a kernel starts only after the one before it
-   passed its own wait, so everything two launches back has finished);
+   passed its own wait, so everything two launches back has finished). Without the conv, the
+   input projection is two launches back, so its gates and z are read there too;
 2. convolves its key head's q and k channels and its own BV v channels (conv + SiLU, rounded to
    the model dtype as the conv kernel stores them), L2-normalises q and k, computes the gates and
    runs the delta-rule step, storing the state tile, its v channels' new conv inputs, and o
    (rounded to the model dtype) into a per-head fp32 workspace;
-3. counts itself in at its (row, key head): the program that arrives last, after every program of
-   that key head has read the old conv state and stored its o, stores the q/k channels' new conv
-   inputs (all programs computed the same ones) and runs the gated RMSNorm of each value head of
-   the key head, over the whole dv, reading the o tiles back from L2. It then resets the counter.
+3. counts itself in: the program that arrives last runs the gated RMSNorm over the whole dv,
+   reading the o tiles back from L2, and resets the counter. Without the conv the count is per
+   (row, value head) and the last program norms its own head, not both of its key head's in turn,
+   and a program whose tile spans the whole dv norms it from its registers with no count. With the
+   conv it is per (row, key head): after every program of the key head has read the old conv
+   state, the last one stores the q/k channels' new conv inputs (all programs computed the same
+   ones) and norms each value head of the key head.
 
 Nothing depends on which program arrives last, so a CUDA-graph replay equals the eager launch bit
 for bit. The split path runs the conv kernel (``kernels/conv1d_triton.py``, every channel once)
@@ -101,6 +105,13 @@ def _step_kernel(
         v_rows, v_old, v_later, v_w = _conv_channels(cw_ptr, cs_row, v_ch, v_mask, tap, K)
     dt = tl.load(dt_ptr + h).to(tl.float32)
     a_log = tl.load(alog_ptr + h).to(tl.float32)
+    cols = tl.arange(0, BDV)
+    cols_mask = cols < DV
+    nw = tl.load(nw_ptr + cols, mask=cols_mask, other=0.0).to(tl.float32)
+    if not CONV:  # the input projection ran two launches back: its gates and z are whole
+        a = tl.load(a_ptr + row * stride_a + h).to(tl.float32)
+        b = tl.load(b_ptr + row * stride_b + h).to(tl.float32)
+        zf = tl.load(z_ptr + row * stride_z + h * DV + cols, mask=cols_mask, other=0.0).to(tl.float32)
     wait_for_producer(USE_PDL)
 
     # 2. Conv, gates, the delta rule on this tile.
@@ -116,8 +127,10 @@ def _step_kernel(
     q = l2_normalize(q.to(dtype).to(tl.float32), scale)
     k = l2_normalize(k.to(dtype).to(tl.float32), 1.0)
     v = v.to(dtype).to(tl.float32)
-    a = tl.load(a_ptr + row * stride_a + h).to(tl.float32)
-    beta = tl.sigmoid(tl.load(b_ptr + row * stride_b + h).to(tl.float32))
+    if CONV:  # the input projection is the kernel before this one
+        a = tl.load(a_ptr + row * stride_a + h).to(tl.float32)
+        b = tl.load(b_ptr + row * stride_b + h).to(tl.float32)
+    beta = tl.sigmoid(b)
     s = s * tl.exp(softplus_gate(a, dt, a_log))
     delta = beta * (v - tl.sum(s * k[:, None], axis=0))
     s = s + k[:, None] * delta[None, :]
@@ -127,36 +140,58 @@ def _step_kernel(
     tl.store(s_ptrs, s, mask=s_mask, eviction_policy="evict_first")
     if CONV:
         store_conv_state(v_rows, v_new, v_mask, tap, K)  # this program's v channels are its own
-    o_ws_row = o_ws_ptr + (row * HV + kh * RATIO) * DV  # the key head's value heads, consecutive
-    tl.store(o_ws_row + (h - kh * RATIO) * DV + dv, o, mask=v_mask)
 
-    # 3. The last program of this (row, key head) finishes what needs all of them.
-    tl.debug_barrier()  # every thread's reads and stores are done before the counter says so
+    # 3. The last program of the group finishes what needs all of them: of the (row, key head)
+    # with the conv (the q/k channels' conv inputs are the key head's), else of the (row, value
+    # head); a program holding its whole value head (BV = dv) needs no one else.
     NVB: tl.constexpr = (DV + BV - 1) // BV
-    counter = arrivals_ptr + row * HK + kh
-    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == RATIO * NVB - 1:
-        if CONV:
+    if not CONV and NVB == 1:
+        _gated_norm_store(o, zf, nw, y_ptr + (row * HV + h) * DV, cols, cols_mask, eps, DV)
+        return
+    tl.store(o_ws_ptr + (row * HV + h) * DV + dv, o, mask=v_mask)
+    tl.debug_barrier()  # every thread's reads and stores are done before the counter says so
+    if CONV:
+        counter = arrivals_ptr + row * HV + kh
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == RATIO * NVB - 1:
             store_conv_state(q_rows, q_new, k_mask, tap, K)
             store_conv_state(k_rows, k_new, k_mask, tap, K)
-        cols = tl.arange(0, BDV)
-        cols_mask = cols < DV
-        nw = tl.load(nw_ptr + cols, mask=cols_mask, other=0.0).to(tl.float32)
-        for r in tl.static_range(RATIO):
-            # .cg: from L2, where the other programs' o tiles are, never from this SM's L1.
-            head_o = tl.load(o_ws_row + r * DV + cols, mask=cols_mask, other=0.0, cache_modifier=".cg")
-            inv = tl.rsqrt(tl.sum(head_o * head_o, axis=0) / DV + eps)
-            normed = (head_o * inv).to(dtype).to(tl.float32)
-            head = kh * RATIO + r
-            zf = tl.load(z_ptr + row * stride_z + head * DV + cols, mask=cols_mask, other=0.0).to(tl.float32)
-            y = nw * normed * (zf * tl.sigmoid(zf))
-            tl.store(y_ptr + (row * HV + head) * DV + cols, y.to(dtype), mask=cols_mask)
-        tl.store(counter, 0)
+            for r in tl.static_range(RATIO):
+                head = kh * RATIO + r
+                z = tl.load(z_ptr + row * stride_z + head * DV + cols, mask=cols_mask, other=0.0)
+                _gated_norm_head(
+                    o_ws_ptr, y_ptr, row * HV + head, z.to(tl.float32), nw, cols, cols_mask, eps, DV
+                )
+            tl.store(counter, 0)
+    else:
+        counter = arrivals_ptr + row * HV + h
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == NVB - 1:
+            _gated_norm_head(o_ws_ptr, y_ptr, row * HV + h, zf, nw, cols, cols_mask, eps, DV)
+            tl.store(counter, 0)
+
+
+@triton.jit
+def _gated_norm_head(o_ws_ptr, y_ptr, head_row, zf, nw, cols, cols_mask, eps, DV: tl.constexpr):
+    """The gated RMSNorm of one value head of one row (``head_row`` = row * Hv + head), its o read
+    back from the workspace: ``.cg``, from L2, where the other programs' o tiles are, never from
+    this SM's L1."""
+    head_o = tl.load(o_ws_ptr + head_row * DV + cols, mask=cols_mask, other=0.0, cache_modifier=".cg")
+    _gated_norm_store(head_o, zf, nw, y_ptr + head_row * DV, cols, cols_mask, eps, DV)
+
+
+@triton.jit
+def _gated_norm_store(head_o, zf, nw, y_head_ptr, cols, cols_mask, eps, DV: tl.constexpr):
+    """y = nw * rmsnorm(o) * silu(z) over one value head's dv (o zero past dv), stored."""
+    inv = tl.rsqrt(tl.sum(head_o * head_o, axis=0) / DV + eps)
+    dtype = y_head_ptr.dtype.element_ty
+    normed = (head_o * inv).to(dtype).to(tl.float32)
+    y = nw * normed * (zf * tl.sigmoid(zf))
+    tl.store(y_head_ptr + cols, y.to(dtype), mask=cols_mask)
 
 
 _tuned_kernel = autotuned(_step_kernel, key=["tuning_bucket", "HK", "HV", "DK", "DV", "CONV"])
 _step_launch = FastLaunch(_step_kernel, pdl=True)
 TUNED = TunedTiles("gdn step kernel")
-# Per device: each row's o tiles [rows, Hv, dv] fp32, and one arrival counter per (row, key head).
+# Per device: each row's o tiles [rows, Hv, dv] fp32, and one arrival counter per (row, value head).
 # Sized for at least the largest decode graph bucket (4 MiB at the 4B geometry), so that a graph
 # capture never meets a workspace too small for it.
 _MIN_WORKSPACE_ROWS = 256
@@ -166,7 +201,7 @@ _WORKSPACE = GrowOnlyWorkspace("GDN step workspace", (torch.float32, torch.int32
 def _workspace(
     device: torch.device, rows: int, hk: int, hv: int, dv: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    o_ws, arrivals = _WORKSPACE.get(device, (rows * hv * dv, rows * hk), needed_for=f"{rows} rows")
+    o_ws, arrivals = _WORKSPACE.get(device, (rows * hv * dv, rows * hv), needed_for=f"{rows} rows")
     return o_ws, arrivals
 
 

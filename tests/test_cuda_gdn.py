@@ -149,3 +149,21 @@ def test_step_in_cuda_graph(
         assert torch.equal(y, y_eager) and torch.equal(inputs["state"], eager["state"]), (
             "replay differs from eager"
         )
+
+
+@pytest.mark.parametrize("tile", [(128, 8), (128, 4)])
+def test_split_step_with_whole_head_tile(tile: tuple[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tile as wide as dv (each program norms its own value head, no workspace, no counter),
+    set as the batch-1 pick: matches the reference, and two steps in a row too."""
+    from kernels import gdn_step_triton
+    from kernels.gdn_step import gdn_decode_step_ref
+
+    inputs = step_inputs(1)
+    hk, hv, dk, dv = GEOMETRY_4B
+    key = (1, hk, hv, dk, dv, False, inputs["mixed_qkv"].dtype, inputs["state"].device)
+    monkeypatch.setitem(gdn_step_triton.TUNED.tiles, key, tile)
+    ref = with_state_copies(inputs)
+    for _ in range(2):
+        y = call(gdn_step_triton.gdn_decode_step_split, inputs)
+        y_ref = call(gdn_decode_step_ref, ref)
+    assert_matches(y, inputs, y_ref, ref)

@@ -101,9 +101,19 @@ def _dispatched(batch: int, dtype: torch.dtype, expect: str, path: str) -> dict[
 
 
 def check_split_small_fp32() -> dict[str, float]:
-    from kernels.gdn_step_triton import gdn_decode_step_split
+    return _repeated("split", 3, torch.float32)
 
-    return _compare(gdn_decode_step_split, 3, torch.float32)
+
+def check_split_whole_head_tile() -> dict[str, float]:
+    """A tile as wide as dv: each program holds its whole value head and norms it from its
+    registers, with no workspace and no counter."""
+    from kernels import gdn_step_triton
+
+    saved, gdn_step_triton.INTERPRET_TILE = gdn_step_triton.INTERPRET_TILE, (DV, 4)
+    try:
+        return _repeated("split", 3, torch.float32)
+    finally:
+        gdn_step_triton.INTERPRET_TILE = saved
 
 
 def check_split_small_bf16() -> dict[str, float]:
@@ -122,16 +132,17 @@ def check_split_bf16_above_threshold() -> dict[str, float]:
     return errors
 
 
-def _fused(batch: int, dtype: torch.dtype) -> dict[str, float]:
-    """The fused kernel against the reference; run twice on equal inputs, it must give equal
-    outputs (nothing depends on which program arrives last) and leave its counters at zero."""
+def _repeated(path: str, batch: int, dtype: torch.dtype) -> dict[str, float]:
+    """One path against the reference; run twice on equal inputs, it must give equal outputs
+    (nothing depends on which program arrives last) and leave its counters at zero."""
     from kernels import gdn_step_triton
 
-    errors = _compare(gdn_step_triton.gdn_decode_step_fused, batch, dtype)
+    step = getattr(gdn_step_triton, f"gdn_decode_step_{path}")
+    errors = _compare(step, batch, dtype)
     torch.manual_seed(1)
-    first = _step_output(gdn_step_triton.gdn_decode_step_fused, batch, dtype)
+    first = _step_output(step, batch, dtype)
     torch.manual_seed(1)
-    second = _step_output(gdn_step_triton.gdn_decode_step_fused, batch, dtype)
+    second = _step_output(step, batch, dtype)
     _, arrivals = gdn_step_triton._WORKSPACE.current[torch.device("cpu")]
     errors["repeat_differs"] = float(not all(torch.equal(x, y) for x, y in zip(first, second, strict=True)))
     errors["counters_left"] = float(arrivals.count_nonzero())
@@ -146,17 +157,17 @@ def _step_output(step: Callable[..., torch.Tensor], batch: int, dtype: torch.dty
 
 
 def check_fused_small_fp32() -> dict[str, float]:
-    return _fused(3, torch.float32)
+    return _repeated("fused", 3, torch.float32)
 
 
 def check_fused_small_bf16() -> dict[str, float]:
-    errors = _fused(3, torch.bfloat16)
+    errors = _repeated("fused", 3, torch.bfloat16)
     errors["state_after_bf16_stages"] = errors.pop("state")
     return errors
 
 
 def check_fused_bf16_batch_20() -> dict[str, float]:
-    errors = _fused(20, torch.bfloat16)
+    errors = _repeated("fused", 20, torch.bfloat16)
     errors["state_after_bf16_stages"] = errors.pop("state")
     return errors
 
