@@ -20,10 +20,32 @@ _SMS = 132  # H200; only sizes the split-K grid, so a different GPU is still cor
 
 
 @triton.jit
-def _load_kv_block(cache_ptr, pt_row_ptr, pos, pos_mask, stride_page, stride_tok, d, PAGE: tl.constexpr):
+def _kv_offsets(pt_row_ptr, pos, pos_mask, stride_page, stride_tok, d, PAGE: tl.constexpr):
+    """The [positions, D] element offsets of cached tokens ``pos`` within one KV head's cache."""
     page = tl.load(pt_row_ptr + pos // PAGE, mask=pos_mask, other=0)
-    ptrs = cache_ptr + page[:, None] * stride_page + (pos % PAGE)[:, None] * stride_tok + d[None, :]
-    return tl.load(ptrs, mask=pos_mask[:, None], other=0.0)
+    return page[:, None] * stride_page + (pos % PAGE)[:, None] * stride_tok + d[None, :]
+
+
+@triton.jit
+def _load_kv_block(cache_ptr, pt_row_ptr, pos, pos_mask, stride_page, stride_tok, d, PAGE: tl.constexpr):
+    offsets = _kv_offsets(pt_row_ptr, pos, pos_mask, stride_page, stride_tok, d, PAGE=PAGE)
+    return tl.load(cache_ptr + offsets, mask=pos_mask[:, None], other=0.0)
+
+
+@triton.jit
+def _attend_block(q, k, v, pos_mask, m, l_sum, acc, scale, DOT_F32: tl.constexpr):
+    """One block of keys into the online softmax: the new running max, sum and output."""
+    if DOT_F32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    s = tl.dot(q, tl.trans(k)) * scale
+    s = tl.where(pos_mask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l_sum = l_sum * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_sum, acc
 
 
 @triton.jit
@@ -69,19 +91,35 @@ def _decode_kernel(
     HAS_GATE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    wait_for_producer(USE_PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
+    # 1. Before the wait: the row's length and where its split's first keys live. The lengths and
+    # page tables come from kernels at least two launches back (under PDL a kernel starts only
+    # after the one before it passed its own wait); the cached K/V are read after it, as the
+    # kernel just before writes each row's newest token. (Reading the first K/V block here too
+    # and the newest token again after the wait gained nothing at batch 1 and held registers
+    # across the wait: batch 64 lost 0.05-0.1 ms on the H200.)
     seq_len = tl.load(lens_ptr + b)
     # Each row cuts its own keys: the cut depends on the row's length and splits only, never on
     # the batch size or the page-table width, so eager and graph decode agree bit for bit.
     split_size = tl.cdiv(tl.cdiv(seq_len, splits), BLOCK_N) * BLOCK_N
     start = sp * split_size
     end = tl.minimum(start + split_size, seq_len)
+    d = tl.arange(0, D)
+    pt_row = pt_ptr + b * stride_ptb
+    kc = kc_ptr + kvh * stride_kvh
+    vc = vc_ptr + kvh * stride_kvh
+    pos = start + tl.arange(0, BLOCK_N)
+    pos_mask = pos < end
+    first = _kv_offsets(pt_row, pos, pos_mask, stride_page, stride_tok, d, PAGE=PAGE)
+    wait_for_producer(USE_PDL)
+
+    # 2. q and the first block, then the online softmax over it and the split's other blocks.
+    k = tl.load(kc + first, mask=pos_mask[:, None], other=0.0)
+    v = tl.load(vc + first, mask=pos_mask[:, None], other=0.0)
     g = tl.arange(0, GROUP_PAD)
     g_mask = g < GROUP
-    d = tl.arange(0, D)
     heads = kvh * GROUP + g
     q = tl.load(
         q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g_mask[:, None], other=0.0
@@ -91,25 +129,14 @@ def _decode_kernel(
     m = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
     l_sum = tl.zeros((GROUP_PAD,), tl.float32)
     acc = tl.zeros((GROUP_PAD, D), tl.float32)
-    pt_row = pt_ptr + b * stride_ptb
-    kc = kc_ptr + kvh * stride_kvh
-    vc = vc_ptr + kvh * stride_kvh
-    for n0 in range(start, end, BLOCK_N):
+    if start < end:
+        m, l_sum, acc = _attend_block(q, k, v, pos_mask, m, l_sum, acc, scale, DOT_F32)
+    for n0 in range(start + BLOCK_N, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         pos_mask = pos < end
         k = _load_kv_block(kc, pt_row, pos, pos_mask, stride_page, stride_tok, d, PAGE=PAGE)
         v = _load_kv_block(vc, pt_row, pos, pos_mask, stride_page, stride_tok, d, PAGE=PAGE)
-        if DOT_F32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k)) * scale
-        s = tl.where(pos_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_sum = l_sum * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
+        m, l_sum, acc = _attend_block(q, k, v, pos_mask, m, l_sum, acc, scale, DOT_F32)
     safe_l = tl.where(l_sum > 0.0, l_sum, 1.0)
     out = acc / safe_l[:, None]
     if not SPLIT:
@@ -130,6 +157,7 @@ def _decode_kernel(
 def _merge_kernel(
     po_ptr,
     plse_ptr,
+    lens_ptr,
     o_ptr,
     gate_ptr,
     H,
@@ -140,15 +168,22 @@ def _merge_kernel(
     splits,
     D: tl.constexpr,
     MAX_SPLITS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     HAS_GATE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    wait_for_producer(USE_PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
-    s = tl.arange(0, MAX_SPLITS)
-    s_mask = s < splits
     d = tl.arange(0, D)
+    # Before the wait: the row's length (which splits hold keys: a short row leaves the last ones
+    # empty, and their partials are never read) and the gate, from the linear three launches back.
+    seq_len = tl.load(lens_ptr + b)
+    split_size = tl.cdiv(tl.cdiv(seq_len, splits), BLOCK_N) * BLOCK_N
+    s = tl.arange(0, MAX_SPLITS)
+    s_mask = s < tl.minimum(tl.cdiv(seq_len, tl.maximum(split_size, 1)), splits)
+    if HAS_GATE:
+        gate = tl.load(gate_ptr + b * stride_gb + h * stride_gh + d)
+    wait_for_producer(USE_PDL)
     base = (b * H + h) * splits
     lse = tl.load(plse_ptr + base + s, mask=s_mask, other=float("-inf"))
     m = tl.max(lse, axis=0)
@@ -156,7 +191,7 @@ def _merge_kernel(
     parts = tl.load(po_ptr + (base + s)[:, None] * D + d[None, :], mask=s_mask[:, None], other=0.0)
     out = tl.sum(parts * w[:, None], axis=0) / tl.maximum(tl.sum(w, axis=0), 1e-30)
     if HAS_GATE:
-        out = _apply_gate(out, tl.load(gate_ptr + b * stride_gb + h * stride_gh + d), o_ptr.dtype.element_ty)
+        out = _apply_gate(out, gate, o_ptr.dtype.element_ty)
     tl.store(o_ptr + b * stride_ob + h * stride_oh + d, out.to(o_ptr.dtype.element_ty))
 
 
@@ -270,6 +305,7 @@ def decode_attention_with_splits(
             (batch, heads),
             part_o,
             part_lse,
+            seq_lens,
             out,
             gate_arg,
             heads,
@@ -280,6 +316,7 @@ def decode_attention_with_splits(
             splits,
             dim,
             _MAX_SPLITS,
+            block_n,
             gate is not None,
             num_warps=4,
         )

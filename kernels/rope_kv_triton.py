@@ -1,7 +1,8 @@
 """``norm_rope_write_kv`` (see ``kernels/rope_kv.py``) as one Triton kernel.
 
 One program per (token, head) over the q heads then the KV heads: it normalises the head, rotates
-its first rotary_dim dims and stores it (q to the output, k and v into their cache slot)."""
+its first rotary_dim dims and stores it (q to the output, k and v into their cache slot). Under PDL
+everything but the head itself is read before waiting for the linear before it."""
 
 from __future__ import annotations
 
@@ -13,7 +14,24 @@ from kernels.launch import FastLaunch, next_pow2, wait_for_producer
 
 
 @triton.jit
-def _norm_rope_head(src, w_ptr, cs_row, dst, eps, D: tl.constexpr, ROT: tl.constexpr):
+def _rope_operands(w_ptr, cs_row, D: tl.constexpr, ROT: tl.constexpr):
+    """What a head's norm and rotation read besides the head: the norm weight at each dim and at
+    its rotation partner, and the position's cos and sin."""
+    half: tl.constexpr = ROT // 2
+    d = tl.arange(0, D)
+    first = d < half
+    in_rot = d < ROT
+    partner = tl.where(first, d + half, tl.where(in_rot, d - half, d))
+    w = tl.load(w_ptr + d).to(tl.float32)
+    w_partner = tl.load(w_ptr + partner).to(tl.float32)
+    freq = tl.where(first, d, d - half)
+    cos = tl.load(cs_row + freq, mask=in_rot, other=1.0)
+    sin = tl.load(cs_row + half + freq, mask=in_rot, other=0.0)
+    return w, w_partner, cos, sin
+
+
+@triton.jit
+def _norm_rope_head(src, w, w_partner, cos, sin, dst, eps, D: tl.constexpr, ROT: tl.constexpr):
     half: tl.constexpr = ROT // 2
     d = tl.arange(0, D)
     first = d < half
@@ -23,12 +41,8 @@ def _norm_rope_head(src, w_ptr, cs_row, dst, eps, D: tl.constexpr, ROT: tl.const
     xp = tl.load(src + partner).to(tl.float32)
     inv = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
     # Round the normalised values to the model dtype, as the unfused norm's output is.
-    n = (x * inv * (1.0 + tl.load(w_ptr + d).to(tl.float32))).to(dst.dtype.element_ty).to(tl.float32)
-    npart = (xp * inv * (1.0 + tl.load(w_ptr + partner).to(tl.float32))).to(dst.dtype.element_ty)
-    npart = npart.to(tl.float32)
-    freq = tl.where(first, d, d - half)
-    cos = tl.load(cs_row + freq, mask=in_rot, other=1.0)
-    sin = tl.load(cs_row + half + freq, mask=in_rot, other=0.0)
+    n = (x * inv * (1.0 + w)).to(dst.dtype.element_ty).to(tl.float32)
+    npart = (xp * inv * (1.0 + w_partner)).to(dst.dtype.element_ty).to(tl.float32)
     y = tl.where(first, n * cos - npart * sin, n * cos + npart * sin)
     tl.store(dst + d, tl.where(in_rot, y, n).to(dst.dtype.element_ty))
 
@@ -61,26 +75,25 @@ def _norm_rope_write_kv_kernel(
     ROT: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    wait_for_producer(USE_PDL)
     t = tl.program_id(0)
     head = tl.program_id(1)
+    # Before the wait: the position, slot, norm weights and cos/sin. The positions and slots come
+    # from kernels at least two launches back (under PDL a kernel starts only after the one
+    # before it passed its own wait), so they have finished; only q, k and v (the linear just
+    # before) are read after it.
     cs_row = cs_ptr + tl.load(pos_ptr + t) * stride_cs
     if head < H:
-        _norm_rope_head(
-            q_ptr + t * stride_qt + head * stride_qh,
-            qw_ptr,
-            cs_row,
-            out_ptr + (t * H + head) * D,
-            eps,
-            D=D,
-            ROT=ROT,
-        )
+        w, w_partner, cos, sin = _rope_operands(qw_ptr, cs_row, D=D, ROT=ROT)
+        wait_for_producer(USE_PDL)
+        q_src = q_ptr + t * stride_qt + head * stride_qh
+        _norm_rope_head(q_src, w, w_partner, cos, sin, out_ptr + (t * H + head) * D, eps, D=D, ROT=ROT)
     else:
         kvh = head - H
         dst = tl.load(slot_ptr + t) * stride_cslot + kvh * stride_ch
-        _norm_rope_head(
-            k_ptr + t * stride_kt + kvh * stride_kh, kw_ptr, cs_row, kc_ptr + dst, eps, D=D, ROT=ROT
-        )
+        w, w_partner, cos, sin = _rope_operands(kw_ptr, cs_row, D=D, ROT=ROT)
+        wait_for_producer(USE_PDL)
+        k_src = k_ptr + t * stride_kt + kvh * stride_kh
+        _norm_rope_head(k_src, w, w_partner, cos, sin, kc_ptr + dst, eps, D=D, ROT=ROT)
         d = tl.arange(0, D)
         v = tl.load(v_ptr + t * stride_vt + kvh * stride_vh + d)
         tl.store(vc_ptr + dst + d, v.to(vc_ptr.dtype.element_ty))

@@ -12,6 +12,11 @@ pytestmark = pytest.mark.cuda
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.language.extra.cuda import globaltimer  # noqa: E402
+
+from kernels.launch import wait_for_producer  # noqa: E402
 from tests.gpu_checks import rand, rel  # noqa: E402
 
 DEV = torch.device("cuda")
@@ -120,6 +125,63 @@ def test_paged_decode_attention(batch: int) -> None:
     for splits in (1, 8):
         got = decode_attention_with_splits(q, k_cache, v_cache, table, lens, HEAD_DIM**-0.5, splits, gate)
         assert rel(got, gated_ref) <= OUT_TOL, f"gated, {splits} splits"
+
+
+@triton.jit
+def _slow_kv_write_kernel(
+    k_ptr, v_ptr, kc_ptr, vc_ptr, slots_ptr, D: tl.constexpr, SPIN_NS: tl.constexpr, USE_PDL: tl.constexpr
+):
+    """A test double for the KV write before decode attention: under PDL it lets attention start,
+    then stalls for ``SPIN_NS`` before storing each row's newest K and V, so attention's reads
+    before its wait see the old cache for certain (the real write is over in about a µs)."""
+    t = tl.program_id(0)
+    head = tl.program_id(1)
+    heads = tl.num_programs(1)
+    wait_for_producer(USE_PDL)
+    start = globaltimer()
+    while globaltimer() - start < SPIN_NS:
+        pass
+    d = tl.arange(0, D)
+    src = (t * heads + head) * D + d
+    dst = (tl.load(slots_ptr + t) * heads + head) * D + d
+    tl.store(kc_ptr + dst, tl.load(k_ptr + src))
+    tl.store(vc_ptr + dst, tl.load(v_ptr + src))
+
+
+def test_decode_attention_reads_the_newest_token_after_the_kv_write_under_pdl() -> None:
+    """Under PDL decode attention starts while the kernel before it still runs and reads the
+    lengths and page tables before waiting for it; that kernel writes each row's newest K and V,
+    so the cache must be read after the wait. Before each replay the newest slots hold huge
+    values, and the writer stalls before replacing them: a read too early shows in the output."""
+    from kernels.attention import paged_decode_attention_ref
+    from kernels.attention_triton import paged_decode_attention_triton
+    from kernels.kv_cache_triton import decode_kv_indices_triton
+    from kernels.launch import FastLaunch, pdl_enabled
+
+    assert pdl_enabled() == (torch.cuda.get_device_capability()[0] >= 9)
+    write = FastLaunch(_slow_kv_write_kernel, pdl=True)
+    batch, pages_per_row, hd, scale = 4, 8, HEAD_DIM, HEAD_DIM**-0.5
+    table = torch.randperm(batch * pages_per_row, device=DEV).view(batch, pages_per_row).to(torch.int32)
+    positions = torch.tensor([5, 64, 300, 511], device=DEV)  # page starts, middles and ends
+    slots, lens = decode_kv_indices_triton(positions, table, PAGE)
+    k_cache, v_cache = (rand(batch * pages_per_row, PAGE, KV_HEADS, hd) for _ in range(2))
+    q, k, v = rand(batch, HEADS, hd), rand(batch, KV_HEADS, hd), rand(batch, KV_HEADS, hd)
+
+    def step() -> torch.Tensor:
+        write((batch, KV_HEADS), k, v, k_cache, v_cache, slots, hd, 20_000, num_warps=1)
+        return paged_decode_attention_triton(q, k_cache, v_cache, table, lens, scale)
+
+    step()  # compiles both kernels outside the capture
+    ref = paged_decode_attention_ref(q, k_cache, v_cache, table, lens, scale)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for _ in range(3):
+        for cache in (k_cache, v_cache):
+            cache.view(-1, KV_HEADS, hd)[slots] = 1e4
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel(out, ref) <= OUT_TOL, "decode attention read the newest token before it was written"
 
 
 def test_paged_prefill_attention() -> None:
