@@ -14,14 +14,21 @@ from kernels.launch import FastLaunch, next_pow2, wait_for_producer
 
 
 @triton.jit
-def _rope_operands(w_ptr, cs_row, D: tl.constexpr, ROT: tl.constexpr):
-    """What a head's norm and rotation read besides the head: the norm weight at each dim and at
-    its rotation partner, and the position's cos and sin."""
+def _rope_dims(D: tl.constexpr, ROT: tl.constexpr):
+    """Each dim, whether it is in the rotation's first half, whether it is rotated, its partner."""
     half: tl.constexpr = ROT // 2
     d = tl.arange(0, D)
     first = d < half
     in_rot = d < ROT
-    partner = tl.where(first, d + half, tl.where(in_rot, d - half, d))
+    return d, first, in_rot, tl.where(first, d + half, tl.where(in_rot, d - half, d))
+
+
+@triton.jit
+def _rope_operands(w_ptr, cs_row, D: tl.constexpr, ROT: tl.constexpr):
+    """What a head's norm and rotation read besides the head: the norm weight at each dim and at
+    its rotation partner, and the position's cos and sin."""
+    half: tl.constexpr = ROT // 2
+    d, first, in_rot, partner = _rope_dims(D=D, ROT=ROT)
     w = tl.load(w_ptr + d).to(tl.float32)
     w_partner = tl.load(w_ptr + partner).to(tl.float32)
     freq = tl.where(first, d, d - half)
@@ -32,11 +39,7 @@ def _rope_operands(w_ptr, cs_row, D: tl.constexpr, ROT: tl.constexpr):
 
 @triton.jit
 def _norm_rope_head(src, w, w_partner, cos, sin, dst, eps, D: tl.constexpr, ROT: tl.constexpr):
-    half: tl.constexpr = ROT // 2
-    d = tl.arange(0, D)
-    first = d < half
-    in_rot = d < ROT
-    partner = tl.where(first, d + half, tl.where(in_rot, d - half, d))
+    d, first, in_rot, partner = _rope_dims(D=D, ROT=ROT)
     x = tl.load(src + d).to(tl.float32)
     xp = tl.load(src + partner).to(tl.float32)
     inv = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
