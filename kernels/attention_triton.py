@@ -20,6 +20,14 @@ _SMS = 132  # H200; only sizes the split-K grid, so a different GPU is still cor
 
 
 @triton.jit
+def _split_size(seq_len, splits, BLOCK_N: tl.constexpr):
+    """Keys per split of a row: each row cuts its own keys, by its length and the split count
+    only, never by the batch size or the page-table width, so eager and graph decode agree bit
+    for bit (and the merge knows which splits hold keys)."""
+    return tl.cdiv(tl.cdiv(seq_len, splits), BLOCK_N) * BLOCK_N
+
+
+@triton.jit
 def _kv_offsets(pt_row_ptr, pos, pos_mask, stride_page, stride_tok, d, PAGE: tl.constexpr):
     """The [positions, D] element offsets of cached tokens ``pos`` within one KV head's cache."""
     page = tl.load(pt_row_ptr + pos // PAGE, mask=pos_mask, other=0)
@@ -101,9 +109,7 @@ def _decode_kernel(
     # and the newest token again after the wait gained nothing at batch 1 and held registers
     # across the wait: batch 64 lost 0.05-0.1 ms on the H200.)
     seq_len = tl.load(lens_ptr + b)
-    # Each row cuts its own keys: the cut depends on the row's length and splits only, never on
-    # the batch size or the page-table width, so eager and graph decode agree bit for bit.
-    split_size = tl.cdiv(tl.cdiv(seq_len, splits), BLOCK_N) * BLOCK_N
+    split_size = _split_size(seq_len, splits, BLOCK_N)
     start = sp * split_size
     end = tl.minimum(start + split_size, seq_len)
     d = tl.arange(0, D)
@@ -178,7 +184,7 @@ def _merge_kernel(
     # Before the wait: the row's length (which splits hold keys: a short row leaves the last ones
     # empty, and their partials are never read) and the gate, from the linear three launches back.
     seq_len = tl.load(lens_ptr + b)
-    split_size = tl.cdiv(tl.cdiv(seq_len, splits), BLOCK_N) * BLOCK_N
+    split_size = _split_size(seq_len, splits, BLOCK_N)
     s = tl.arange(0, MAX_SPLITS)
     s_mask = s < tl.minimum(tl.cdiv(seq_len, tl.maximum(split_size, 1)), splits)
     if HAS_GATE:
