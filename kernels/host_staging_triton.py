@@ -24,6 +24,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
+
+from kernels.launch import pdl_enabled
 
 HEADER_SEQ, HEADER_COLUMNS, HEADER_ACK = 0, 1, 2
 HEADER_SIZE = 4
@@ -34,7 +37,12 @@ _BLOCK = 128  # page ids a program copies per loop step
 def _load_staged_kernel(
     header_ptr, host_rows_ptr, host_table_ptr, rows_ptr, table_ptr, arrivals_ptr, top, max_pages,
     SEQ: tl.constexpr, COLUMNS: tl.constexpr, ACK: tl.constexpr, BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    # The graph's first kernel: nothing to wait for. Letting the next kernel (PDL) launch now
+    # means it is resident, past its own early reads, when this one ends.
+    if USE_PDL:
+        gdc_launch_dependents()
     row = tl.program_id(0)
     columns = tl.load(header_ptr + COLUMNS, cache_modifier=".cv")
     for i in tl.static_range(3):  # tokens, positions, state slots
@@ -76,7 +84,8 @@ def load_staged_triton(
         raise ValueError(f"staging bucket {bucket} outside 1..{top} or table rows {table.shape[0]} != {top}")
     _load_staged_kernel[(bucket,)](
         header, host_rows, host_table, rows, table, arrivals, top, max_pages,
-        SEQ=HEADER_SEQ, COLUMNS=HEADER_COLUMNS, ACK=HEADER_ACK, BLOCK=_BLOCK, num_warps=1,
+        SEQ=HEADER_SEQ, COLUMNS=HEADER_COLUMNS, ACK=HEADER_ACK, BLOCK=_BLOCK, USE_PDL=pdl_enabled(),
+        num_warps=1,
     )  # fmt: skip
 
 

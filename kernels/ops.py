@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from kernels.activation import silu_and_mul_ref
 from kernels.attention import paged_decode_attention_ref, paged_prefill_attention_ref
 from kernels.conv1d import causal_conv1d_decode_ref, causal_conv1d_prefill_ref
+from kernels.embedding import embedding_ref
 from kernels.gdn import gated_delta_rule_decode_ref, gated_delta_rule_prefill_ref, gdn_gating_ref
 from kernels.gdn_step import gdn_decode_step_ref
 from kernels.kv_cache import decode_kv_indices_ref, write_kv_ref
@@ -37,6 +38,7 @@ __all__ = [
     "causal_conv1d_decode",
     "causal_conv1d_prefill",
     "decode_kv_indices",
+    "embedding",
     "gated_delta_rule_decode",
     "gated_delta_rule_prefill",
     "gated_rms_norm",
@@ -178,6 +180,12 @@ def write_kv(
         _triton("kv_cache", "write_kv")(k, v, k_cache, v_cache, slot_ids)
     else:
         write_kv_ref(k, v, k_cache, v_cache, slot_ids)
+
+
+def embedding(tokens: torch.Tensor, weight: torch.Tensor, vocab_start: int = 0) -> torch.Tensor:
+    if weight.is_cuda:
+        return _triton("embedding", "embedding")(tokens, weight, vocab_start)
+    return embedding_ref(tokens, weight, vocab_start)
 
 
 def decode_kv_indices(

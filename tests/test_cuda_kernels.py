@@ -84,6 +84,18 @@ def test_apply_rope_and_write_kv() -> None:
     assert torch.equal(caches[0], refs[0]) and torch.equal(caches[1], refs[1])
 
 
+def test_embedding_at_the_vocab_shape_with_another_ranks_tokens() -> None:
+    from kernels.embedding import embedding_ref
+    from kernels.embedding_triton import embedding_triton
+
+    vocab = 248320
+    weight = rand(vocab // 2, HIDDEN)  # rank 1 of TP 2: rows [vocab / 2, vocab)
+    tokens = torch.randint(0, vocab, (64,), device=DEV)
+    out = embedding_triton(tokens, weight, vocab // 2)
+    assert torch.equal(out, embedding_ref(tokens, weight, vocab // 2))
+    assert not out[tokens < vocab // 2].any()
+
+
 @pytest.mark.parametrize("rows", [1, 64, 300])
 def test_decode_kv_indices(rows: int) -> None:
     from kernels.kv_cache import decode_kv_indices_ref

@@ -308,6 +308,21 @@ def check_decode_kv_indices() -> dict[str, float]:
     }
 
 
+def check_embedding() -> dict[str, float]:
+    from kernels.embedding import embedding_ref
+    from kernels.embedding_triton import embedding_triton
+
+    weight = _rand(11, 1500)  # wider than one program's block
+    # Inside this rank's slice [20, 31), below and above it (another rank's rows: zeros).
+    tokens = torch.tensor([20, 30, 25, 3, 31, 40, 20])
+    out = embedding_triton(tokens, weight, 20)
+    ref = embedding_ref(tokens, weight, 20)
+    return {
+        "rows_differ": float(out.dtype != weight.dtype or not torch.equal(out, ref)),
+        "outside_not_zero": float(bool(out[3:6].any())),
+    }
+
+
 def check_load_staged() -> dict[str, float]:
     from kernels.host_staging_triton import (
         HEADER_ACK,
@@ -347,6 +362,7 @@ TOLERANCE = {
     "slots_differ": 0.0,
     "lengths_differ": 0.0,
     "rows_differ": 0.0,
+    "outside_not_zero": 0.0,
     "table_differs": 0.0,
     "header_differs": 0.0,
     "untouched_differ": 0.0,

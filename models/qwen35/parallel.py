@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from kernels import ops
 from models.qwen35.one_shot import OneShotAllReduce, try_one_shot
@@ -62,13 +61,8 @@ class VocabParallelEmbedding:
         self.tp = tp
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
-        if self.tp.world_size == 1:
-            return F.embedding(tokens, self.weight)
-        local = tokens - self.vocab_start
-        inside = (local >= 0) & (local < self.weight.shape[0])
-        embedded = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)
-        embedded = embedded * inside.unsqueeze(-1).to(embedded.dtype)
-        return self.tp.all_reduce(embedded)
+        embedded = ops.embedding(tokens, self.weight, self.vocab_start)
+        return embedded if self.tp.world_size == 1 else self.tp.all_reduce(embedded)
 
 
 class VocabParallelHead:
