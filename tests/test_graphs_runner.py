@@ -255,3 +255,17 @@ def test_staging_writes_rows_and_page_table_and_pads_the_bucket(monkeypatch: pyt
         assert torch.equal(inputs.page_table[:3, :width], table)
         assert inputs.page_table[3, :width].tolist() == [KV_PAGES] * width
         assert len(inputs._table_views) <= 2
+
+
+def test_a_built_batch_stages_from_the_arrays_its_tensors_view() -> None:
+    """``DecodeBatch.build`` keeps the numpy arrays behind its host tensors, so staging converts
+    nothing; a batch made from tensors directly stages the same rows through a conversion."""
+    rows = [(11, 5, 2, [7, 8]), (12, 6, 0, [9])]
+    built = DecodeBatch.build(rows)
+    host_rows, table = built.host_arrays()
+    assert host_rows.tolist() == [[11, 12], [5, 6], [2, 0]] and table.tolist() == [[7, 8], [9, 9]]
+    built.tokens[0] = 13  # one memory: a change through the tensor is what staging sees
+    assert built.host_arrays()[0][0, 0] == 13
+    plain = DecodeBatch(built.tokens, built.positions, built.state_slots, built.page_table)
+    assert plain.host_arrays()[0].tolist() == built.host_arrays()[0].tolist()
+    assert DecodeBatch.build(rows, "meta")._host is None  # a device batch holds copies, not views

@@ -314,12 +314,10 @@ def graph_decode_rows(
     sweep = run_precapture_sweep(runner.run_phase, runner.buckets)
     rows = []
     for batch in batches:
-        step = DecodeBatch(
-            tokens=torch.randint(0, model.config.vocab_size, (batch,)),
-            positions=torch.full((batch,), args.context, dtype=torch.int64),
-            state_slots=torch.arange(batch),
-            page_table=torch.arange(batch * pages_per_row, dtype=torch.int32).view(batch, -1),
-        )
+        # Built from its rows as the worker builds a Decode command's batch (host arrays and all).
+        tokens = torch.randint(0, model.config.vocab_size, (batch,)).tolist()
+        pages = torch.arange(batch * pages_per_row).view(batch, -1).tolist()
+        step = DecodeBatch.build([(tokens[r], args.context, r, pages[r]) for r in range(batch)])
         run = lambda step=step: runner.decode(step)  # noqa: E731
         for _ in range(3):
             run()

@@ -337,8 +337,10 @@ def _graph_rows(run: RankRun) -> tuple[list[dict[str, object]], float]:
     rows = []
     for batch in run.settings.batches:
         tokens, slots, page_table = run.inputs(batch)
-        positions = torch.full((batch,), run.settings.context, dtype=torch.int64)
-        step = DecodeBatch(tokens=tokens, positions=positions, state_slots=slots, page_table=page_table)
+        # Built from its rows as the worker builds a Decode command's batch (host arrays and all).
+        context = [run.settings.context] * batch
+        columns = (tokens.tolist(), context, slots.tolist(), page_table.tolist())
+        step = DecodeBatch.build(list(zip(*columns, strict=True)))
         rows.append(run.measure(lambda step=step: runner.decode(step), mode, batch))
     runner.release()
     return rows, sweep.seconds

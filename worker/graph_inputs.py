@@ -60,34 +60,26 @@ class DecodeInputs:
             self._header_np = self._header.numpy()
             self._arrivals = torch.zeros(1, dtype=torch.int32, device=device)
 
-    def stage(
-        self,
-        tokens: np.ndarray,
-        positions: np.ndarray,
-        slots: np.ndarray,
-        padding: list[int],
-        table: np.ndarray,
-        bucket: int,
-    ) -> int:
-        """Writes ``n`` rows (and ``bucket - n`` padding rows taking the slots ``padding``) and their
-        ``[n, width]`` page table; returns the staged width (at least 1). In copy mode the device
-        buffers hold them once this returns (in stream order); in graph mode once the graph's
-        first kernel (``load``) has run."""
-        n, width = len(tokens), table.shape[1]  # width <= max_pages: the runner checks it
+    def stage(self, rows: np.ndarray, padding: list[int], table: np.ndarray, bucket: int) -> int:
+        """Writes ``n`` rows (``rows`` [3, n]: tokens, positions, state slots), ``bucket - n`` padding
+        rows taking the slots ``padding``, and the rows' ``[n, width]`` page table; returns the
+        staged width (at least 1). In copy mode the device buffers hold them once this returns (in
+        stream order); in graph mode once the graph's first kernel (``load``) has run. As few numpy
+        calls as the rows allow: each is on the step's critical path."""
+        n, width = rows.shape[1], table.shape[1]  # width <= max_pages: the runner checks it
         self._wait_until_reusable()
-        rows = self._host_rows_np
-        rows[0, :n] = tokens
-        rows[1, :n] = positions
-        rows[2, :n] = slots
-        rows[:2, n:bucket] = 0
-        if padding:
-            rows[2, n:bucket] = padding
+        host_rows = self._host_rows_np
+        host_rows[:, :n] = rows
+        if n < bucket:
+            host_rows[:2, n:bucket] = 0
+            host_rows[2, n:bucket] = padding
         # Device columns past the staged width keep older (valid) page ids: a kernel reads only up
         # to the row's position. Padding rows sit at position 0 and read the padding page.
         columns = max(width, 1)
         staged = self._host_table_np[: bucket * columns].reshape(bucket, columns)
         staged[:n, :width] = table
-        staged[n:] = self.padding_page
+        if n < bucket:
+            staged[n:] = self.padding_page
         if self.in_graph:
             self._header_np[HEADER_COLUMNS] = columns
             self._header_np[HEADER_SEQ] += 1  # last: the step is staged
@@ -97,8 +89,7 @@ class DecodeInputs:
 
     def stage_padding(self, bucket: int, padding: list[int]) -> None:
         """Every row padding (what the pre-capture sweep runs), taking the slots ``padding``."""
-        none = np.zeros(0, dtype=np.int64)
-        self.stage(none, none, none, padding, np.zeros((0, 1), dtype=np.int32), bucket)
+        self.stage(np.zeros((3, 0), dtype=np.int64), padding, np.zeros((0, 1), dtype=np.int32), bucket)
 
     def load(self, bucket: int) -> None:
         """Graph mode: launch the kernel that moves the staged rows of ``bucket`` onto the device

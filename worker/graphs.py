@@ -319,11 +319,10 @@ class DecodeGraphRunner:
                 f"decode row page table has {width} pages, more than the graph page-table width "
                 f"{self.geometry.max_pages}"
             )
-        slots = batch.state_slots.numpy()
-        pad = padding_slots(slots.tolist(), bucket, self._candidates, occupied)
-        return self.inputs.stage(
-            batch.tokens.numpy(), batch.positions.numpy(), slots, pad, batch.page_table.numpy(), bucket
-        )
+        rows, table = batch.host_arrays()
+        n = rows.shape[1]
+        pad = padding_slots(rows[2].tolist(), bucket, self._candidates, occupied) if n < bucket else []
+        return self.inputs.stage(rows, pad, table, bucket)
 
     def _stage_padding(self, bucket: int) -> None:
         """Every row padding: what the sweep captures and launches (all slots are free then)."""
