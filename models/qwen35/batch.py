@@ -21,10 +21,6 @@ def _host_page_table(page_lists: Sequence[Sequence[int]], width: int) -> np.ndar
     return table
 
 
-def _page_table(page_lists: Sequence[Sequence[int]], width: int, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(_host_page_table(page_lists, width)).to(device)
-
-
 @dataclass
 class PrefillBatch:
     """n chunks, T tokens in all; a chunk with start == 0 starts from zero recurrent/conv state."""
@@ -62,7 +58,7 @@ class PrefillBatch:
             cu_seqlens=cu_seqlens.to(device),
             starts=torch.tensor([start for _, start, _, _ in chunks], dtype=torch.int32).to(device),
             state_slots=torch.tensor([slot for _, _, slot, _ in chunks], dtype=torch.int64).to(device),
-            page_tables=_page_table([pages for _, _, _, pages in chunks], width, device),
+            page_tables=torch.from_numpy(_host_page_table([pages for *_, pages in chunks], width)).to(device),
         )
 
 
