@@ -11,13 +11,22 @@ each integer's ``== 1`` / ``% 16 == 0`` / 32-bit-range class, the exact value of
 ``tl.constexpr`` parameter and the launch options. Under ``TRITON_INTERPRET=1`` (CPU tests) there
 is no compiled handle and every launch goes through the interpreter.
 
-Programmatic dependent launch (PDL, compute capability 9 and later): the decode kernels start with
+Programmatic dependent launch (PDL, compute capability 9 and later): the decode kernels call
 ``wait_for_producer`` and are launched with ``launch_pdl``, so the GPU may start one while the
 kernel before it drains. Inside a CUDA graph that hides the gap between dependent kernels (about
-0.2 ms of a 4B batch-1 step on the H200); the batch-1 GEMV also requests its first weight tile
-before the wait, as weights never change. Every other read of a previous kernel's output, and every
-store, comes after the wait, so each kernel still sees its inputs whole and never overwrites what
-the kernel before it may still read. ``PHALANX_PDL=0`` turns it off.
+0.2 ms of a 4B batch-1 step on the H200). What a kernel may read before its wait:
+
+- weights (they never change): the batch-1 GEMVs request their first weight tile there;
+- anything written two or more launches back. A kernel starts only once every program of the
+  kernel before it has passed its own wait, so everything before that one has finished and its
+  writes are visible. (A kernel launched without PDL, such as cuBLAS or NCCL, lets the next one
+  start only when it ends.) The pre-normed linears read the residual stream there: a decoder's
+  previous pre-norm wrote it, and at least one linear runs between the two.
+
+Reads of the kernel just before's outputs, and every store, come after the wait, so each kernel
+sees its inputs whole and never overwrites what the kernel before it may still read. Requests into
+L2 (``prefetch_l2``) are neither reads nor stores of values and may target anything.
+``PHALANX_PDL=0`` turns PDL off.
 """
 
 from __future__ import annotations
@@ -54,6 +63,20 @@ def wait_for_producer(USE_PDL: tl.constexpr):
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_l2(ptrs, mask):
+    """Requests the 128-byte lines of ``ptrs`` (where ``mask``) into L2 and moves on: no registers
+    wait for them. CUDA only (inline PTX; never under the interpreter)."""
+    tl.inline_asm_elementwise(
+        asm="{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+        constraints="=r,l,r",
+        args=[ptrs, mask.to(tl.int32)],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
 
 
 def _spec(arg: Any) -> Any:

@@ -27,19 +27,22 @@ def _rms_norm_kernel(
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    wait_for_producer(USE_PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    # Before the wait: the weight, and the residual, which a decoder's previous pre-norm wrote at
+    # least two launches back (see ``kernels/launch.py``); x, the kernel just before's, after it.
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
+    wait_for_producer(USE_PDL)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
         # Round the sum to the model dtype first: the residual stream is stored in that dtype.
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
         tl.store(h_ptr + row * stride_h + cols, x, mask=mask)
     xf = x.to(tl.float32)
     inv = tl.rsqrt(tl.sum(xf * xf, axis=0) / H + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     y = xf * inv * (1.0 + w)
     tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 

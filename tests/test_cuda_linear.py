@@ -18,8 +18,13 @@ pytestmark = pytest.mark.cuda
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.language.extra.cuda import globaltimer  # noqa: E402
+
 from kernels import linear_triton as linear_triton_module  # noqa: E402
 from kernels import ops  # noqa: E402
+from kernels.launch import FastLaunch, pdl_enabled, wait_for_producer  # noqa: E402
 from kernels.linear_triton import (  # noqa: E402
     linear_silu_and_mul_triton,
     linear_triton,
@@ -108,6 +113,54 @@ def test_pre_normed_linear_matches_norm_then_linear(
         assert torch.equal(h, h_ref), f"{shape.name} M={m}: residual stream differs from rms_norm's"
         err = rel(out, ref)
         assert err <= TOL, f"{shape.name} M={m} pre-normed: relative error {err:.3g} > {TOL}"
+
+
+@triton.jit
+def _slow_copy_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr, SPIN_NS: tl.constexpr, USE_PDL: tl.constexpr):
+    """A test double for a kernel that writes a linear's input: under PDL it lets the next kernel
+    start, then stalls for ``SPIN_NS`` before copying ``src`` into ``dst`` (one program)."""
+    wait_for_producer(USE_PDL)
+    start = globaltimer()
+    while globaltimer() - start < SPIN_NS:
+        pass
+    cols = tl.arange(0, BLOCK)
+    tl.store(dst_ptr + cols, tl.load(src_ptr + cols, mask=cols < n), mask=cols < n)
+
+
+@pytest.mark.parametrize("shape", PRE_NORMED, ids=[s.name for s in PRE_NORMED])
+def test_pre_normed_gemv_reads_its_inputs_once_written_under_pdl(
+    shape: LinearShape, weights: dict[str, torch.Tensor]
+) -> None:
+    """Under PDL the batch-1 pre-normed GEMV starts while the kernel before it still runs, and
+    reads the residual (a decoder's previous pre-norm wrote it, two or more launches back) and the
+    norm weight before waiting for it; x comes from the kernel just before. Here two stalling
+    writers produce the residual and then x, chained in a graph; before each replay both hold
+    other values, so a read of either too early shows in the output or the residual stream."""
+    assert pdl_enabled() == (torch.cuda.get_device_capability()[0] >= 9)
+    copy = FastLaunch(_slow_copy_kernel, pdl=True)
+    w, k = weights[shape.name], shape.k
+    op = rms_norm_linear_silu_and_mul_triton if shape.fused_silu else rms_norm_linear_triton
+    x_src, res_src, stale = (torch.randn(1, k, device=DEV).to(BF16) for _ in range(3))
+    x, res = torch.empty_like(x_src), torch.empty_like(res_src)
+    norm = (torch.randn(k, device=DEV) * 0.1).to(BF16)
+
+    def step() -> tuple[torch.Tensor, torch.Tensor]:
+        for src, dst in ((res_src, res), (x_src, x)):
+            copy((1,), src, dst, k, triton.next_power_of_2(k), 20_000, num_warps=4)
+        return op(x, norm, 1e-6, res, w)
+
+    step()  # tunes and compiles every kernel outside the capture
+    ref, h_ref = op(x_src, norm, 1e-6, res_src, w)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, h = step()
+    for _ in range(3):
+        x.copy_(stale)
+        res.copy_(stale)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(h, h_ref), f"{shape.name}: the residual stream read an input before it was written"
+        assert torch.equal(out, ref), f"{shape.name}: the output read an input before it was written"
 
 
 def test_dispatch_picks_triton_up_to_the_threshold() -> None:
