@@ -40,7 +40,15 @@ import triton.language as tl
 
 from kernels.conv1d_triton import causal_conv1d_decode_triton, conv_state_window, conv_step, store_conv_state
 from kernels.gdn_step import gdn_split_sizes
-from kernels.gdn_tiles import INTERPRET_TILE, Tile, TunedTiles, autotuned, launch_options, tuning_bucket
+from kernels.gdn_tiles import (
+    FIXED_TILES,
+    INTERPRET_TILE,
+    Tile,
+    TunedTiles,
+    autotuned,
+    launch_options,
+    tuning_bucket,
+)
 from kernels.gdn_triton import l2_normalize, softplus_gate
 from kernels.launch import FastLaunch, cdiv, next_pow2, pdl_enabled, wait_for_producer
 from kernels.workspace import GrowOnlyWorkspace
@@ -190,7 +198,7 @@ def _gated_norm_store(head_o, zf, nw, y_head_ptr, cols, cols_mask, eps, DV: tl.c
 
 _tuned_kernel = autotuned(_step_kernel, key=["tuning_bucket", "HK", "HV", "DK", "DV", "CONV"])
 _step_launch = FastLaunch(_step_kernel, pdl=True)
-TUNED = TunedTiles("gdn step kernel")
+TUNED = TunedTiles("gdn step kernel", FIXED_TILES)
 # Per device: each row's o tiles [rows, Hv, dv] fp32, and one arrival counter per (row, value head).
 # Sized for at least the largest decode graph bucket (4 MiB at the 4B geometry), so that a graph
 # capture never meets a workspace too small for it.

@@ -39,6 +39,14 @@ TUNING_SPACE = (
 )
 # For a shape first met inside a CUDA-graph capture with no tuned neighbour.
 DEFAULT_TILE = (32, 4)
+# Batch buckets whose tile is set, not tuned (nor pruned). Timed alone, the tuner sees a tile's
+# latency but not its footprint: under PDL the next kernel (out_proj) becomes resident, and
+# requests its first weights, only as this one's programs leave the SMs. At batch 1 the tuner's
+# picks ((8, 1), (16, 1), (16, 2) or (16, 4), varying between processes) made a decode step up to
+# 10 µs slower than (64, 4), which was the fastest tile tried on each of five H200 machines or
+# within 0.4 µs of (16, 2) (CUDA graphs of whole 4B steps replayed in alternation in one process,
+# 2026-12-01; docs/benchmarks/graphs-h200.md, stop 24).
+FIXED_TILES: dict[int, Tile] = {1: (64, 4)}
 # Under TRITON_INTERPRET=1 (no timing): narrow, so the CPU tests' dv = 32 spans two programs.
 INTERPRET_TILE = (16, 4)
 # Tuning runs on scratch state rows (never on live state); batches above this reuse its choice,
@@ -107,16 +115,22 @@ class TunedTiles:
     on scratch rows (``tune``), never on live state; a hit launches the tile directly, outside the
     autotuner. The tile is a speed choice only: the launch keys its binary on every argument."""
 
-    def __init__(self, kernel: str) -> None:
+    def __init__(self, kernel: str, fixed: dict[int, Tile] | None = None) -> None:
         self.kernel = kernel
+        self.fixed = fixed or {}
         self.tiles: dict[tuple[object, ...], Tile] = {}
         self._untuned_in_capture_logged: set[tuple[object, ...]] = set()
 
     def tile(self, key: tuple[object, ...], capturing: bool, tune: Callable[[], Tile]) -> Tile:
-        """The tile for ``key``: tuned before (or now, by ``tune``, on scratch rows), or borrowed
-        inside a capture."""
+        """The tile for ``key``: fixed for its bucket, tuned before (or now, by ``tune``, on
+        scratch rows), or borrowed inside a capture."""
         tile = self.tiles.get(key)
         if tile is None:
+            fixed = self.fixed.get(key[0])  # type: ignore[call-overload]
+            if fixed is not None:
+                self.tiles[key] = fixed
+                log.info(f"{self.kernel} tile fixed", bucket=key[0], heads=key[1:3], tile=fixed)
+                return fixed
             tile = self.for_capture(key) if capturing else self.record(key, tune())
         return tile
 

@@ -167,3 +167,18 @@ def test_split_step_with_whole_head_tile(tile: tuple[int, int], monkeypatch: pyt
         y = call(gdn_step_triton.gdn_decode_step_split, inputs)
         y_ref = call(gdn_decode_step_ref, ref)
     assert_matches(y, inputs, y_ref, ref)
+
+
+def test_batch_1_split_step_takes_the_fixed_tile() -> None:
+    """Batch 1's tile is set, not tuned (``kernels/gdn_tiles.FIXED_TILES``), and matches the reference."""
+    from kernels import gdn_step_triton
+    from kernels.gdn_step import gdn_decode_step_ref
+    from kernels.gdn_tiles import FIXED_TILES
+
+    inputs = step_inputs(1)
+    hk, hv, dk, dv = GEOMETRY_4B
+    key = (1, hk, hv, dk, dv, False, inputs["mixed_qkv"].dtype, inputs["state"].device)
+    ref = with_state_copies(inputs)
+    y = call(gdn_step_triton.gdn_decode_step_split, inputs)
+    assert gdn_step_triton.TUNED.tiles[key] == FIXED_TILES[1]
+    assert_matches(y, inputs, call(gdn_decode_step_ref, ref), ref)

@@ -244,6 +244,23 @@ def check_bucket_met_in_capture_borrows_nearest_tuned_tile() -> dict[str, float]
     }
 
 
+def check_fixed_bucket_is_never_tuned() -> dict[str, float]:
+    from kernels.gdn_step_triton import TUNED
+    from kernels.gdn_tiles import FIXED_TILES, TunedTiles
+
+    rest = (2, 4, 128, 128, torch.bfloat16)
+    tuned = TunedTiles("test kernel", {1: (64, 4)})
+    tune_calls: list[int] = []
+    picked = tuned.tile((1, *rest), False, lambda: tune_calls.append(1) or (8, 1))
+    return {
+        "fixed_not_taken": float(picked != (64, 4) or tuned.tiles[(1, *rest)] != (64, 4)),
+        "fixed_tuned": float(bool(tune_calls)),
+        "fixed_in_capture_not_taken": float(tuned.tile((1, 9, 9), True, lambda: (8, 1)) != (64, 4)),
+        "other_bucket_not_tuned": float(tuned.tile((2, *rest), False, lambda: (16, 2)) != (16, 2)),
+        "step_kernel_batch_1_not_fixed": float(TUNED.fixed.get(1) != FIXED_TILES[1]),
+    }
+
+
 CHECKS: dict[str, Callable[[], dict[str, float]]] = {
     name.removeprefix("check_"): fn for name, fn in list(globals().items()) if name.startswith("check_")
 }
