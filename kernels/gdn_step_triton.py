@@ -8,9 +8,9 @@ batch bucket (``kernels/gdn_tiles.py``). Each program
    inputs) *before* waiting for the kernel before it (under PDL that is still draining): nothing
    it reads there is written by that kernel. The recurrent and conv state were last written by
    this layer's step in an earlier decode step, and any slot copy or prefill that touched them ran
-   before that kernel started, which PDL implies (a kernel starts only after the one before it
-   passed its own wait, so everything two launches back has finished). Without the conv, the
-   input projection is two launches back, so its gates and z are read there too;
+   before that kernel started, which PDL implies (everything two launches back has finished:
+   the rule is in ``kernels/launch.py``). Without the conv, the input projection is two launches
+   back, so its gates and z are read there too;
 2. convolves its key head's q and k channels and its own BV v channels (conv + SiLU, rounded to
    the model dtype as the conv kernel stores them), L2-normalises q and k, computes the gates and
    runs the delta-rule step, storing the state tile, its v channels' new conv inputs, and o

@@ -81,9 +81,8 @@ def _norm_rope_write_kv_kernel(
     t = tl.program_id(0)
     head = tl.program_id(1)
     # Before the wait: the position, slot, norm weights and cos/sin. The positions and slots come
-    # from kernels at least two launches back (under PDL a kernel starts only after the one
-    # before it passed its own wait), so they have finished; only q, k and v (the linear just
-    # before) are read after it.
+    # from kernels at least two launches back (the rule is in kernels/launch.py); only q, k and v
+    # (the linear just before) are read after it.
     cs_row = cs_ptr + tl.load(pos_ptr + t) * stride_cs
     if head < H:
         w, w_partner, cos, sin = _rope_operands(qw_ptr, cs_row, D=D, ROT=ROT)
