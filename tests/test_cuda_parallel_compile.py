@@ -40,7 +40,9 @@ def test_configs_compile_in_workers_and_the_jit_hits_the_cache(tmp_path, monkeyp
         assert pool is not None and not pool.broken
         assert (pool.compiled, pool.rounds) == (3, 1)
     torch.testing.assert_close(y[:3000], x[:3000] * 2.0)
-    assert cache_hits == [True, True, True]
+    # This process takes jobs too while the workers start: each of its compiles is a miss (the
+    # workers' compiles happen in their processes). Then the autotuner's three are all hits.
+    assert cache_hits == [False] * pool.compiled_here + [True, True, True]
     # A second key of the same binaries (n differs, its class does not) compiles nothing new.
     with parallel_compile() as pool:
         tuned[lambda meta: (triton.cdiv(3016, meta["BLOCK"]),)](x, y, 3016, 3.0)
