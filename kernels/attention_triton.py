@@ -108,9 +108,9 @@ def _decode_kernel(
     sp = tl.program_id(2)
     # 1. Before the wait: the row's length and where its split's first keys live. The lengths and
     # page tables come from kernels at least two launches back (the rule is in kernels/launch.py);
-    # the cached K/V are read after it, as the kernel just before writes each row's newest token. (Reading the first K/V block here too
-    # and the newest token again after the wait gained nothing at batch 1 and held registers
-    # across the wait: batch 64 lost 0.05-0.1 ms on the H200.)
+    # the cached K/V are read after it, as the kernel just before writes each row's newest token.
+    # (Reading the first K/V block here too and the newest token again after the wait gained
+    # nothing at batch 1 and held registers across the wait: batch 64 lost 0.05-0.1 ms on the H200.)
     seq_len = tl.load(lens_ptr + b)
     split_size = _split_size(seq_len, splits, BLOCK_N)
     start = sp * split_size
