@@ -170,11 +170,13 @@ GEMV_CONFIGS = [
         (8, 256, 8, 0), (16, 128, 4, 0), (16, 256, 8, 0), (32, 128, 8, 0), (2, 1024, 4, 16),
     ]
 ]  # fmt: skip
-# (BLOCK_N, warps, PER_SM) of the pre-normed GEMV: the five best of 26 at the 4B shapes on the H200
-# (2026-12-01). One or two whole rows a step, four programs per SM, won every shape there.
+# (BLOCK_N, warps, PER_SM) of the pre-normed GEMV, 8 warps each. Of 26 configs timed alone at the
+# 4B shapes on the H200 (2026-12-01), one or two whole rows a step at four programs per SM won every
+# shape. Their 4-warp twins timed as fast alone, and the tuner picked them in some processes, but
+# inside whole batch-1 steps they never won a shape and cost up to 9 µs a step at in_proj (CUDA
+# graphs of whole steps replayed in alternation, two machines; docs/benchmarks/graphs-h200.md, stop 26).
 NORMED_GEMV_CONFIGS = [
-    _config(BLOCK_N=n, warps=w, PER_SM=per_sm)
-    for n, w, per_sm in [(1, 8, 4), (1, 4, 4), (2, 8, 4), (2, 4, 4), (4, 8, 2)]
+    _config(BLOCK_N=n, warps=w, PER_SM=per_sm) for n, w, per_sm in [(1, 8, 4), (2, 8, 4), (4, 8, 2)]
 ]
 
 
