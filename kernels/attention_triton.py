@@ -229,6 +229,20 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, dim: int) -> None
 
 
 _MAX_SPLITS = 64
+# Short splits: a bucket that cuts each row into this many splits or more (batch 1 to 4 at the 4B
+# geometry) is latency-bound. Its attention takes the keys 16 at a time, not 32, so that at batch 1
+# (64 splits of 512 keys) twice as many programs hold keys; its merge runs on 8 warps, not 4, so
+# that at head_dim 256 each thread holds 64 of the [64 splits, D] partials, not 128. The 4B
+# batch-1 step took 4.5-6.8 and 9.9-13.1 µs less for each, 8.9 for both; at batch 64 the merge on
+# 8 warps cost 25.4 µs (CUDA graphs of whole steps in alternation in one process, two H200s;
+# docs/benchmarks/graphs-h200.md, stop 26).
+_SHORT_SPLITS = 32
+
+
+def _key_block(splits: int) -> int:
+    """Keys per block of the online softmax (and per split, at least), from the split count only,
+    so eager and graph decode of one bucket cut alike."""
+    return 16 if splits >= _SHORT_SPLITS else 32
 
 
 def _decode_splits(batch: int, kv_heads: int) -> int:
@@ -276,7 +290,7 @@ def decode_attention_with_splits(
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
-    block_n = 32
+    block_n = _key_block(splits)
     if splits > 1:
         part_o = torch.empty((batch, heads, splits, dim), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((batch, heads, splits), dtype=torch.float32, device=q.device)
@@ -337,7 +351,7 @@ def decode_attention_with_splits(
             _MAX_SPLITS,
             block_n,
             gate is not None,
-            num_warps=4,
+            num_warps=8 if splits >= _SHORT_SPLITS else 4,
         )
     return out
 
