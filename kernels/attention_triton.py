@@ -236,13 +236,8 @@ _MAX_SPLITS = 64
 # batch-1 step took 4.5-6.8 and 9.9-13.1 µs less for each, 8.9 for both; at batch 64 the merge on
 # 8 warps cost 25.4 µs (CUDA graphs of whole steps in alternation in one process, two H200s;
 # docs/benchmarks/graphs-h200.md, stop 26).
+# Both follow the split count only, so eager and graph decode of one bucket cut the keys alike.
 _SHORT_SPLITS = 32
-
-
-def _key_block(splits: int) -> int:
-    """Keys per block of the online softmax (and per split, at least), from the split count only,
-    so eager and graph decode of one bucket cut alike."""
-    return 16 if splits >= _SHORT_SPLITS else 32
 
 
 def _decode_splits(batch: int, kv_heads: int) -> int:
@@ -290,7 +285,8 @@ def decode_attention_with_splits(
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
-    block_n = _key_block(splits)
+    short_splits = splits >= _SHORT_SPLITS
+    block_n = 16 if short_splits else 32  # keys per softmax block, and per split at least
     if splits > 1:
         part_o = torch.empty((batch, heads, splits, dim), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((batch, heads, splits), dtype=torch.float32, device=q.device)
@@ -351,7 +347,7 @@ def decode_attention_with_splits(
             _MAX_SPLITS,
             block_n,
             gate is not None,
-            num_warps=8 if splits >= _SHORT_SPLITS else 4,
+            num_warps=8 if short_splits else 4,
         )
     return out
 
