@@ -184,7 +184,7 @@ def _merge_kernel(
     stride_gh,
     splits,
     D: tl.constexpr,
-    MAX_SPLITS: tl.constexpr,
+    SPLIT_TILE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_GATE: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -196,7 +196,7 @@ def _merge_kernel(
     # empty, and their partials are never read) and the gate, from the linear three launches back.
     seq_len = tl.load(lens_ptr + b)
     split_size = _split_size(seq_len, splits, BLOCK_N)
-    s = tl.arange(0, MAX_SPLITS)
+    s = tl.arange(0, SPLIT_TILE)  # splits past the count masked off
     s_mask = s < tl.minimum(tl.cdiv(seq_len, tl.maximum(split_size, 1)), splits)
     if HAS_GATE:
         gate = tl.load(gate_ptr + b * stride_gb + h * stride_gh + d)
@@ -238,6 +238,18 @@ _MAX_SPLITS = 64
 # docs/benchmarks/graphs-h200.md, stop 26).
 # Both follow the split count only, so eager and graph decode of one bucket cut the keys alike.
 _SHORT_SPLITS = 32
+
+
+def _merge_launch_shape(splits: int) -> tuple[int, int]:
+    """(the merge's split tile, its warps) for ``splits`` splits. The tile is the split count's
+    power of two, not the 64 splits the merge can hold: one binary per count (six at the 4B
+    buckets) where one served all. Batches 16, 32 and 64, whose rows are cut in 8, 4 and 2, took
+    18.2, 10.1 and 43.0 µs less a 4B step than with the 64-wide tile. Eight warps for short splits
+    (above) and for a tile of two (14.2-15.0 µs of batch 64's gain), four between, where eight
+    cost 4-15 µs (in-process A/B of whole steps' CUDA graphs, two H200s; stop 27 in
+    docs/benchmarks/graphs-h200.md)."""
+    tile = next_pow2(splits)
+    return tile, 8 if splits >= _SHORT_SPLITS or tile <= 2 else 4
 
 
 def _decode_splits(batch: int, kv_heads: int) -> int:
@@ -330,6 +342,7 @@ def decode_attention_with_splits(
         num_stages=2,
     )
     if splits > 1:
+        merge_tile, merge_warps = _merge_launch_shape(splits)
         _merge_launch(
             (batch, heads),
             part_o,
@@ -344,10 +357,10 @@ def decode_attention_with_splits(
             gate_arg.stride(1),
             splits,
             dim,
-            _MAX_SPLITS,
+            merge_tile,
             block_n,
             gate is not None,
-            num_warps=8 if short_splits else 4,
+            num_warps=merge_warps,
         )
     return out
 
