@@ -390,7 +390,7 @@ def _transformers_decode(
 
 
 def _row_line(r: Row) -> str:
-    return f"| {r.batch} | {r.step_ms:.2f} | {r.tokens_per_s:.0f} | {r.roofline:.1%} |"
+    return f"| {r.batch} | {r.step_ms:.3f} | {r.tokens_per_s:.0f} | {r.roofline:.1%} |"
 
 
 def _table(title: str, rows: list[Row], prefill: float, prefill_len: int) -> str:
@@ -450,7 +450,7 @@ def run(args: argparse.Namespace) -> int:
         print("|---|---|---|---|---|")
         for graph, eager in zip(graph_rows, rows, strict=True):
             print(
-                f"| {graph.batch} | {graph.step_ms:.2f} | {graph.tokens_per_s:.0f} | {graph.roofline:.1%} "
+                f"| {graph.batch} | {graph.step_ms:.3f} | {graph.tokens_per_s:.0f} | {graph.roofline:.1%} "
                 f"| {eager.step_ms / graph.step_ms:.2f}x |"
             )
     if args.vs_transformers:
