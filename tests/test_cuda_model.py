@@ -4,6 +4,7 @@ and the 4B geometry with random weights made on the GPU."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -83,8 +84,36 @@ def bf16_tie(logits: torch.Tensor) -> float:
     return 2.0 * 2.0 ** (math.floor(math.log2(top)) - 7) if top > 0 else 0.0
 
 
-def hf_greedy(hf, prompt: list[int], new_tokens: int) -> tuple[list[int], list[bool]]:
-    """transformers' greedy tokens and, at each step, whether its two best logits are a bf16 tie."""
+@dataclass
+class Trajectory:
+    """transformers' bf16 greedy run: its tokens, each step's logits, and the fp32 reference's
+    logits at each step (the same model in fp32, teacher-forced on those tokens)."""
+
+    tokens: list[int]
+    logits: list[torch.Tensor]
+    reference: torch.Tensor
+
+    def within_rounding(self, step: int, ours: int) -> bool:
+        """Whether bf16 greedy may pick ``ours`` over transformers' token at ``step``: transformers'
+        top two are a bf16 tie there, or the fp32 reference orders the two tokens by no more than
+        transformers' own bf16 rounding moved their gap (a random tiny model amplifies rounding:
+        its bf16 logits are ~3 % off fp32, and fp32 gaps of two units in the last place occur)."""
+        hf, ref, theirs = self.logits[step].float(), self.reference[step], self.tokens[step]
+        top = hf.topk(2).values
+        if float(top[0] - top[1]) <= bf16_tie(hf):
+            return True
+        exact_gap = float(ref[theirs] - ref[ours])
+        bf16_gap = float(hf[theirs] - hf[ours])
+        return abs(bf16_gap - exact_gap) >= abs(exact_gap)
+
+
+def hf_greedy(model_dir: Path, prompt: list[int], new_tokens: int) -> Trajectory:
+    """transformers' bf16 greedy run from ``prompt``, with the fp32 reference along it."""
+    from transformers import AutoModelForCausalLM
+
+    hf = transformers_bf16(model_dir)
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
     ids = torch.tensor([prompt], device=DEV)
     with torch.no_grad():
         out = hf.generate(
@@ -95,11 +124,11 @@ def hf_greedy(hf, prompt: list[int], new_tokens: int) -> tuple[list[int], list[b
             output_scores=True,
             return_dict_in_generate=True,
         )
-    tied = []
-    for scores in out.scores:
-        top = scores[0].float().topk(2).values
-        tied.append(float(top[0] - top[1]) <= bf16_tie(scores[0]))
-    return out.sequences[0, len(prompt) :].tolist(), tied
+        tokens = out.sequences[0, len(prompt) :].tolist()
+        fp32 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(DEV).eval()
+        forced = torch.tensor([prompt + tokens[:-1]], device=DEV)
+        reference = fp32(input_ids=forced).logits[0, len(prompt) - 1 :].float()
+    return Trajectory(tokens, [scores[0] for scores in out.scores], reference)
 
 
 def teacher_forced(model, prompt: list[int], forced: list[int]) -> list[torch.Tensor]:
@@ -115,35 +144,31 @@ def teacher_forced(model, prompt: list[int], forced: list[int]) -> list[torch.Te
 
 
 def test_tiny_greedy_tokens_match_transformers_bf16(tiny_model_dir: Path) -> None:
-    """64 greedy tokens equal transformers' (bf16). A random tiny model has near-flat logits, so
-    transformers' own trajectory passes through bf16 ties (top two within two units in the last
-    place), where greedy has no defined answer and either token is right. (1) Teacher-forced on
-    transformers' 64 tokens, phalanx's argmax equals transformers' token at every untied step.
-    (2) Free running, phalanx's tokens equal transformers' until they part, if they do, and they
-    part only at a step where transformers' top two are tied (all 64 equal when none is)."""
+    """64 greedy tokens equal transformers' (bf16), except where bf16 rounding decides the pick
+    (``Trajectory.within_rounding``): a random tiny model has near-flat logits, and there greedy
+    has no defined answer in bf16. (1) Teacher-forced on transformers' 64 tokens, phalanx's argmax
+    equals transformers' token at every other step. (2) Free running, phalanx's tokens equal
+    transformers' until they part, if they do, and they part only at such a step."""
     from models.qwen35 import Qwen35Model
 
-    hf = transformers_bf16(tiny_model_dir)
-    hf.generation_config.eos_token_id = None
-    hf.generation_config.pad_token_id = 0
-    model = Qwen35Model.load(tiny_model_dir, device=DEV, dtype=torch.bfloat16)
-
     prompt = prompt_ids(40, seed=1)
-    expected, tied = hf_greedy(hf, prompt, NEW_TOKENS)
-    forced = teacher_forced(model, prompt, expected)
+    expected = hf_greedy(tiny_model_dir, prompt, NEW_TOKENS)
+    model = Qwen35Model.load(tiny_model_dir, device=DEV, dtype=torch.bfloat16)
+    forced = teacher_forced(model, prompt, expected.tokens)
     wrong = [
         (step, int(ours.argmax()), token)
-        for step, (ours, token, tie) in enumerate(zip(forced, expected, tied, strict=True))
-        if int(ours.argmax()) != token and not tie
+        for step, (ours, token) in enumerate(zip(forced, expected.tokens, strict=True))
+        if int(ours.argmax()) != token and not expected.within_rounding(step, int(ours.argmax()))
     ]
-    assert not wrong, f"teacher-forced (step, phalanx, transformers) at untied steps: {wrong}"
+    assert not wrong, f"teacher-forced (step, phalanx, transformers) outside bf16 rounding: {wrong}"
 
     tokens, _ = greedy(model, prompt, NEW_TOKENS)
-    first_diff = next((i for i, (a, b) in enumerate(zip(tokens, expected, strict=True)) if a != b), None)
-    assert first_diff is None or tied[first_diff], (
+    first_diff = next(
+        (i for i, (a, b) in enumerate(zip(tokens, expected.tokens, strict=True)) if a != b), None
+    )
+    assert first_diff is None or expected.within_rounding(first_diff, tokens[first_diff]), (
         f"free-running greedy tokens part at step {first_diff} (phalanx {tokens[first_diff]}, "
-        f"transformers {expected[first_diff]}), where transformers' top two are not a bf16 tie "
-        f"(its ties: steps {[i for i, tie in enumerate(tied) if tie]})"
+        f"transformers {expected.tokens[first_diff]}), where bf16 rounding does not decide the pick"
     )
 
 
