@@ -236,7 +236,8 @@ _MAX_SPLITS = 64
 # batch-1 step took 4.5-6.8 and 9.9-13.1 µs less for each, 8.9 for both; at batch 64 the merge on
 # 8 warps cost 25.4 µs (CUDA graphs of whole steps in alternation in one process, two H200s;
 # docs/benchmarks/graphs-h200.md, stop 26).
-# Both follow the split count only, so eager and graph decode of one bucket cut the keys alike.
+# Both follow the split count only, so eager and graph decode of one bucket cut the keys alike
+# (the merge's launch shape for every count: ``_merge_launch_shape``).
 _SHORT_SPLITS = 32
 
 
@@ -249,7 +250,7 @@ def _merge_launch_shape(splits: int) -> tuple[int, int]:
     cost 4-15 µs (in-process A/B of whole steps' CUDA graphs, two H200s; stop 27 in
     docs/benchmarks/graphs-h200.md)."""
     tile = next_pow2(splits)
-    return tile, 8 if splits >= _SHORT_SPLITS or tile <= 2 else 4
+    return tile, 8 if splits >= _SHORT_SPLITS or splits <= 2 else 4
 
 
 def _decode_splits(batch: int, kv_heads: int) -> int:
