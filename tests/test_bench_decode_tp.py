@@ -56,6 +56,14 @@ def test_tp_degrees_refuse_nonsense() -> None:
         bench_decode.tp_degrees("0,2")
 
 
+def test_warmup_steps_are_zero_or_more() -> None:
+    assert bench_decode.warmup_steps("0") == 0 and bench_decode.warmup_steps("30") == 30
+    with pytest.raises(argparse.ArgumentTypeError, match="must be 0 or more steps, got -1"):
+        bench_decode.warmup_steps("-1")
+    with pytest.raises(argparse.ArgumentTypeError, match="must be an integer, got 'many'"):
+        bench_decode.warmup_steps("many")
+
+
 def test_prefill_length_is_zero_or_a_prompt_length() -> None:
     assert bench_decode.prefill_length("0") == 0 and bench_decode.prefill_length("4096") == 4096
     with pytest.raises(
@@ -84,6 +92,8 @@ def test_two_gloo_ranks_print_the_table_and_match_tp1_logits(
             "1,3",
             "--steps",
             "2",
+            "--warmup",
+            "1",
             "--context",
             "8",
             "--cuda-graph",

@@ -27,4 +27,7 @@ def test_host_bench_times_every_decode_op_and_restores_ops(capsys: pytest.Captur
     assert rows["rms_norm_linear_silu_and_mul"].split("|")[2].strip() == "4"
     assert rows["rms_norm"].split("|")[2].strip() == "1"
     assert "(model glue: views, splits, allocations)" in rows
+    assert any(
+        line.startswith("host: ") and " cores; torch.empty on cpu " in line for line in out.splitlines()
+    )
     assert {name: getattr(ops, name) for name in ops.__all__} == before

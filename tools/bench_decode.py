@@ -2,8 +2,11 @@
 
 The model is built through its public constructor from random bf16 tensors made directly on the
 GPU, with the checkpoint's names and shapes (no download, no files). Each batch size decodes from
-a context of ``--context`` tokens; the step time is the median over ``--steps`` steps timed with
-CUDA events. The roofline figure is the weight bytes one step must read over the step time, as a
+a context of ``--context`` tokens; after its first (tuning) step and ``--warmup`` more, the step
+time is the median over ``--steps`` steps timed with CUDA events. The first steps of a process run
+slower than later ones (eager batch 1 on one H200 machine: 8.12 ms over the 30 steps right after
+tuning, 7.30 ms a few dozen steps on), so timing starts once they have passed. The header names the
+host (``tools/host_info.py``): eager rows at small batch follow its CPU. The roofline figure is the weight bytes one step must read over the step time, as a
 fraction of the H200's measured 4.3 TB/s copy bandwidth. ``--vs-transformers`` times transformers'
 ``Qwen3_5ForCausalLM`` with the same geometry and random weights in the same run.
 """
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from models.tiny import TINY_GEOMETRY
+from tools.host_info import host_line
 
 COPY_BANDWIDTH = 4.3e12  # bytes/s, device-to-device copy measured on the H200 (read + write)
 PAGE_SIZE = 64
@@ -75,6 +79,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--geometry", choices=sorted(GEOMETRIES), default="4b")
     parser.add_argument("--batch", default="1,8,32,64", help="comma-separated batch sizes")
     parser.add_argument("--steps", type=int, default=20, help="timed decode steps per batch size")
+    parser.add_argument(
+        "--warmup",
+        type=warmup_steps,
+        default=30,
+        help="untimed decode steps per batch size before the timed ones",
+    )
     parser.add_argument("--context", type=int, default=512, help="tokens already in each row's KV cache")
     parser.add_argument(
         "--prefill-len",
@@ -120,6 +130,17 @@ def prefill_length(text: str) -> int:
     if length < 0:
         raise argparse.ArgumentTypeError(f"must be 0 (no prefill figure) or a prompt length, got {length}")
     return length
+
+
+def warmup_steps(text: str) -> int:
+    """``--warmup``: 0 or more untimed steps."""
+    try:
+        steps = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if steps < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more steps, got {steps}")
+    return steps
 
 
 def tp_degrees(text: str) -> list[int]:
@@ -251,7 +272,7 @@ def decode_rows(model, batches: list[int], args: argparse.Namespace, device: tor
         # The first step tunes this batch's kernels: their candidates compile side by side.
         with parallel_compile(ranks_here=1):
             run()
-        for _ in range(2):
+        for _ in range(args.warmup):
             run()
         torch.cuda.synchronize()
         step_ms = statistics.median(cuda_time_ms(run, args.steps))
@@ -319,7 +340,7 @@ def graph_decode_rows(
         pages = torch.arange(batch * pages_per_row).view(batch, -1).tolist()
         step = DecodeBatch.build([(tokens[r], args.context, r, pages[r]) for r in range(batch)])
         run = lambda step=step: runner.decode(step)  # noqa: E731
-        for _ in range(3):
+        for _ in range(max(args.warmup, 1)):
             run()
         torch.cuda.synchronize()
         step_ms = statistics.median(cuda_time_ms(run, args.steps))
@@ -425,6 +446,7 @@ def run(args: argparse.Namespace) -> int:
         f"{weight_bytes_per_step(model) / 1e9:.2f} GB read per decode step; context {args.context}; "
         f"{kernel_settings()}"
     )
+    print(host_line(device), flush=True)
     rows = decode_rows(model, batches, args, device)
     prefill = float("nan")
     if args.prefill_len:

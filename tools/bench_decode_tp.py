@@ -46,7 +46,6 @@ from tools.bench_decode import (
 # NVLink multicast stays off in every rank (it can take a shared host's GPUs out of service).
 CHILD_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 RANK_RUN_TIMEOUT_S = 600.0
-WARMUP_STEPS = 3
 TARGET_TP2_BATCH1 = 0.6  # issue 9: TP 2 batch-1 step time <= 0.6 x TP 1
 TARGET_GRAPH_SPEEDUP = 1.3  # issue 9: graph >= 1.3 x eager at TP 2, batch 16
 
@@ -180,6 +179,7 @@ class BenchSettings:
     cuda_graph: bool
     seed: int
     device: str  # "cuda" or "cpu"
+    warmup: int = 30  # untimed steps before each row's timed ones (``--warmup``)
     profile: bool = False  # rank 0 prints the top GPU kernels of three steps per row (CUDA)
 
 
@@ -219,7 +219,7 @@ class RankRun:
         return tokens, torch.arange(batch), page_table
 
     def measure(self, run: Callable[[], object], mode: str, batch: int) -> dict[str, object]:
-        for _ in range(WARMUP_STEPS):
+        for _ in range(max(self.settings.warmup, 1)):
             run()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -262,7 +262,7 @@ def bench_rank(rank: int, world_size: int, init_method: str, settings: BenchSett
     model.tp.enable_one_shot(dtype, device)  # as a serving rank does (PHALANX_ALL_REDUCE=nccl: off)
     built_s = time.perf_counter() - started
     max_batch = max(settings.batches)
-    pages_per_row = -(-(settings.context + settings.steps + WARMUP_STEPS + 8) // PAGE_SIZE)
+    pages_per_row = -(-(settings.context + settings.steps + settings.warmup + 8) // PAGE_SIZE)
     run = RankRun(
         settings,
         rank,
@@ -366,6 +366,7 @@ def run_tp(args: argparse.Namespace) -> int:
         cuda_graph=args.cuda_graph,
         seed=args.seed,
         device=args.device,
+        warmup=args.warmup,
         profile=args.profile,
     )
     results: dict[int, dict] = {}

@@ -7,7 +7,8 @@ point in a wall-clock timer for a few more steps and prints each op's calls and 
 step; what is left is the model's own Python and torch glue (views, splits, allocations).
 
 Host speed differs from machine to machine (about 2x between hosts of the same GPU kind), so
-compare rows of one run, and give the machine with any figure.
+compare rows of one run, and give the machine with any figure: the output names it
+(``tools/host_info.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 
 from kernels import ops
 from tools.bench_decode import GEOMETRIES, PAGE_SIZE, build_random_model
+from tools.host_info import host_line
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -107,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"phalanx {args.geometry}, eager decode, batch {args.batch}, {name}, median of {args.steps} steps")
+    print(host_line(device))
     print(f"host time to issue a step: {statistics.median(issue) * 1e3:.2f} ms")
     print(f"step time, synchronised:   {statistics.median(whole) * 1e3:.2f} ms")
     print(f"with every op timed:       {instrumented * 1e3:.2f} ms a step")
