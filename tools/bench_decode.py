@@ -121,26 +121,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def prefill_length(text: str) -> int:
-    """``--prefill-len``: a prompt length, or 0 for no prefill figure."""
+def _non_negative(text: str, meaning: str) -> int:
     try:
-        length = int(text)
+        value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-    if length < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 (no prefill figure) or a prompt length, got {length}")
-    return length
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be {meaning}, got {value}")
+    return value
+
+
+def prefill_length(text: str) -> int:
+    """``--prefill-len``: a prompt length, or 0 for no prefill figure."""
+    return _non_negative(text, "0 (no prefill figure) or a prompt length")
 
 
 def warmup_steps(text: str) -> int:
     """``--warmup``: 0 or more untimed steps."""
-    try:
-        steps = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-    if steps < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more steps, got {steps}")
-    return steps
+    return _non_negative(text, "0 or more steps")
 
 
 def tp_degrees(text: str) -> list[int]:
