@@ -5,10 +5,11 @@ GPU, with the checkpoint's names and shapes (no download, no files). Each batch 
 a context of ``--context`` tokens; after its first (tuning) step and ``--warmup`` more, the step
 time is the median over ``--steps`` steps timed with CUDA events. The first steps of a process run
 slower than later ones (eager batch 1 on one H200 machine: 8.12 ms over the 30 steps right after
-tuning, 7.30 ms a few dozen steps on), so timing starts once they have passed. The header names the
-host (``tools/host_info.py``): eager rows at small batch follow its CPU. The roofline figure is the weight bytes one step must read over the step time, as a
-fraction of the H200's measured 4.3 TB/s copy bandwidth. ``--vs-transformers`` times transformers'
-``Qwen3_5ForCausalLM`` with the same geometry and random weights in the same run.
+tuning, 7.30 ms a few dozen steps on), so timing starts once they have passed. The header names
+the host (``tools/host_info.py``): eager rows at small batch follow its CPU. The roofline figure
+is the weight bytes one step must read over the step time, as a fraction of the H200's measured
+4.3 TB/s copy bandwidth. ``--vs-transformers`` times transformers' ``Qwen3_5ForCausalLM`` with the
+same geometry and random weights in the same run.
 """
 
 from __future__ import annotations
@@ -338,7 +339,7 @@ def graph_decode_rows(
         pages = torch.arange(batch * pages_per_row).view(batch, -1).tolist()
         step = DecodeBatch.build([(tokens[r], args.context, r, pages[r]) for r in range(batch)])
         run = lambda step=step: runner.decode(step)  # noqa: E731
-        for _ in range(max(args.warmup, 1)):
+        for _ in range(args.warmup):  # the sweep's Launch phase replayed each graph once already
             run()
         torch.cuda.synchronize()
         step_ms = statistics.median(cuda_time_ms(run, args.steps))

@@ -219,7 +219,7 @@ class RankRun:
         return tokens, torch.arange(batch), page_table
 
     def measure(self, run: Callable[[], object], mode: str, batch: int) -> dict[str, object]:
-        for _ in range(max(self.settings.warmup, 1)):
+        for _ in range(max(self.settings.warmup, 1)):  # the first run of a mode tunes its kernels
             run()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
