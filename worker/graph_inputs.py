@@ -30,7 +30,7 @@ from kernels.host_staging_triton import (
 )
 from models.qwen35 import DecodeBatch
 
-# Page-table views kept for reuse (copy mode), one per (bucket, width) seen; widths grow a page at a time.
+# Page-table views kept for reuse, one per (bucket, width) seen; widths grow a page at a time.
 TABLE_VIEWS_KEPT = 256
 
 
@@ -52,8 +52,7 @@ class DecodeInputs:
         # The first bucket x width entries hold a step's compact [bucket, width] page table.
         self._host_table = torch.zeros(top * max_pages, dtype=torch.int32, pin_memory=pin)
         self._host_rows_np = self._host_rows.numpy()
-        self._host_table_np = self._host_table.numpy()
-        self._table_views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._table_views: dict[tuple[int, int], tuple[np.ndarray, torch.Tensor, torch.Tensor]] = {}
         self._copied: torch.cuda.Event | None = None  # copy mode: set after each step's copies
         if in_graph:
             self._header = torch.zeros(HEADER_SIZE, dtype=torch.int64, pin_memory=True)
@@ -76,7 +75,7 @@ class DecodeInputs:
         # Device columns past the staged width keep older (valid) page ids: a kernel reads only up
         # to the row's position. Padding rows sit at position 0 and read the padding page.
         columns = max(width, 1)
-        staged = self._host_table_np[: bucket * columns].reshape(bucket, columns)
+        staged, host_table, device_table = self._table_view(bucket, columns)
         staged[:n, :width] = table
         if n < bucket:
             staged[n:] = self.padding_page
@@ -84,7 +83,7 @@ class DecodeInputs:
             self._header_np[HEADER_COLUMNS] = columns
             self._header_np[HEADER_SEQ] += 1  # last: the step is staged
         else:
-            self._copy_to_device(bucket, columns)
+            self._copy_to_device(host_table, device_table)
         return columns
 
     def stage_padding(self, bucket: int, padding: list[int]) -> None:
@@ -124,23 +123,24 @@ class DecodeInputs:
         elif self._copied is not None:
             self._copied.synchronize()
 
-    def _copy_to_device(self, bucket: int, columns: int) -> None:
+    def _copy_to_device(self, host_table: torch.Tensor, device_table: torch.Tensor) -> None:
         # All three rows in one contiguous copy (6 KB at most; columns past the bucket are unused).
         self.rows.copy_(self._host_rows, non_blocking=True)
-        host_table, device_table = self._table_view(bucket, columns)
         device_table.copy_(host_table, non_blocking=True)
         if self.device.type == "cuda":
             if self._copied is None:
                 self._copied = torch.cuda.Event()
             self._copied.record()
 
-    def _table_view(self, bucket: int, columns: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A [bucket, columns] page table's pinned staging and its device view, made once each."""
+    def _table_view(self, bucket: int, columns: int) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
+        """A [bucket, columns] page table's pinned staging (as numpy, which the host writes, and as
+        a tensor, which copy mode copies from) and its device view, made once each: the step pays a
+        dictionary lookup, not a slice and a reshape."""
         views = self._table_views.get((bucket, columns))
         if views is None:
             if len(self._table_views) >= TABLE_VIEWS_KEPT:  # widths grow with the context
                 self._table_views.clear()
             host = self._host_table[: bucket * columns].view(bucket, columns)
-            views = (host, self.page_table[:bucket, :columns])
+            views = (host.numpy(), host, self.page_table[:bucket, :columns])
             self._table_views[(bucket, columns)] = views
         return views

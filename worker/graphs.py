@@ -285,7 +285,7 @@ class DecodeGraphRunner:
         """
         if not self.finalized:
             raise GraphError("decode before the graph pre-capture sweep finalized; serving is replay-only")
-        n = int(batch.tokens.shape[0])
+        n = batch.host_arrays()[0].shape[1]  # numpy: cheaper than a tensor's shape on this path
         if n > self.buckets[-1]:
             raise GraphError(
                 f"decode batch of {n} rows exceeds the largest captured bucket {self.buckets[-1]}"
@@ -313,13 +313,13 @@ class DecodeGraphRunner:
 
     def _stage_rows(self, batch: DecodeBatch, bucket: int, occupied: Collection[int]) -> int:
         """Stages the batch's rows and padding rows for ``bucket``; returns the page-table width."""
-        width = batch.page_table.shape[1]
+        rows, table = batch.host_arrays()
+        width = table.shape[1]
         if width > self.geometry.max_pages:
             raise GraphError(
                 f"decode row page table has {width} pages, more than the graph page-table width "
                 f"{self.geometry.max_pages}"
             )
-        rows, table = batch.host_arrays()
         n = rows.shape[1]
         pad = padding_slots(rows[2].tolist(), bucket, self._candidates, occupied) if n < bucket else []
         return self.inputs.stage(rows, pad, table, bucket)
