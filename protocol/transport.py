@@ -105,14 +105,18 @@ class RankSocket:
         identity: bytes,
         framer: Framer | None = None,
         options: dict[int, int] | None = None,
+        monitor_events: int = 0,
     ) -> None:
-        """``options``: extra ZeroMQ socket options, set before connecting."""
+        """``options``: extra ZeroMQ socket options, set before connecting. ``monitor_events``: a
+        mask of ``zmq.EVENT_*`` to report on ``self.monitor`` (a PAIR socket), watched from before
+        the connect, so that the first connection's events cannot be missed."""
         self._context = zmq.Context.instance()
         self._framer = framer or Framer()
         self.socket = _socket(self._context, zmq.DEALER)
         self.socket.setsockopt(zmq.IDENTITY, identity)
         for option, value in (options or {}).items():
             self.socket.setsockopt(option, value)
+        self.monitor = self.socket.get_monitor_socket(monitor_events) if monitor_events else None
         self.socket.connect(address)
 
     def send(self, payload: bytes, block: bool = True) -> None:

@@ -5,7 +5,10 @@ The thread has its own socket (ZeroMQ sockets are not thread-safe) and keeps bea
 main thread computes, so a silent rank is a dead or frozen process, not a busy one. It also
 watches that socket's connection (ZMTP heartbeats catch a peer host that vanished without closing
 the connection): disconnected for longer than ``coordinator_grace_s`` means the coordinator is
-gone, and the rank exits, even from inside a wedged collective, rather than linger forever.
+gone, and the rank exits, even from inside a wedged collective, rather than linger forever. Not
+yet connected counts as disconnected: the thread starts once the coordinator has started the
+rank, so a coordinator that dies before this socket ever connects leaves the rank orphaned too
+(a CI run saw a rank outlive its killed coordinator by over 15 s that way).
 """
 
 from __future__ import annotations
@@ -58,9 +61,10 @@ class HeartbeatThread:
     def _beat(self) -> None:
         # ZMTP pings notice a coordinator host that vanished without closing the connection.
         options = {zmq.HEARTBEAT_IVL: 1000, zmq.HEARTBEAT_TIMEOUT: 3000}
-        sock = RankSocket(self._address, f"heartbeat-{self._rank}".encode(), self._framer, options)
-        monitor = sock.socket.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        disconnected_since: float | None = None
+        events = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+        sock = RankSocket(self._address, f"heartbeat-{self._rank}".encode(), self._framer, options, events)
+        monitor = sock.monitor
+        disconnected_since: float | None = time.monotonic()  # until the first connection
         try:
             while not self._stop.is_set():
                 body = Heartbeat(time.time())
