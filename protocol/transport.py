@@ -130,7 +130,10 @@ class RankSocket:
         return self._framer.open(self.socket.recv_multipart())
 
     def close(self, linger_ms: int = 2000) -> None:
-        """Close, giving queued replies (a final Failed or Ack) time to leave."""
+        """Close, giving queued replies (a final Failed or Ack) time to leave; the monitor too."""
+        if self.monitor is not None:
+            self.socket.disable_monitor()
+            self.monitor.close(linger=0)
         self.socket.close(linger=linger_ms)
 
 

@@ -84,8 +84,6 @@ class HeartbeatThread:
                     os._exit(EXIT_ORPHANED)
                 self._stop.wait(self._interval)
         finally:
-            sock.socket.disable_monitor()
-            monitor.close(linger=0)
             sock.close(linger_ms=0)
 
     def stop(self) -> None:
