@@ -9,6 +9,7 @@ import torch
 from test_graphs_runner import PAGE_SIZE, Pair
 
 from models.qwen35.batch import DecodeBatch
+from worker.graphs import GraphError
 
 pytestmark = [
     pytest.mark.cuda,
@@ -40,6 +41,24 @@ def test_graph_logits_match_eager_across_bucket_straddles(tiny_model_dir: Path, 
     for _ in range(4):
         pair.step(list(range(batch)))
     assert pair.runner.replays == 4
+
+
+def test_replaying_the_last_graph_is_decoding_the_same_rows_again(tiny_model_dir: Path) -> None:
+    """``replay_last`` (what ``bench decode`` times as the graph alone) runs what more decodes of
+    the same rows would: the plain model decodes them twice more and the logits agree."""
+    pair = _pair(tiny_model_dir, 3)
+    rows = pair.rows([0, 1, 2])
+    with pytest.raises(GraphError, match="replay_last needs a CUDA-graph decode to replay; none has run"):
+        pair.runner.replay_last(1)
+    pair.runner.decode(DecodeBatch.build(rows))
+    with pytest.raises(GraphError, match="replay_last of 0 replays; give at least 1"):
+        pair.runner.replay_last(0)
+    got = pair.runner.replay_last(2)
+    for _ in range(3):
+        expected = pair.plain.decode(DecodeBatch.build(rows, CUDA, max_pages=pair.pages_per_request))
+    assert got.shape == expected.shape and pair.runner.replays == 3
+    error = float((got.float() - expected.float()).norm() / expected.float().norm())
+    assert error <= BF16_RELATIVE_ERROR, f"logits differ by {error:.3g} (relative)"
 
 
 def test_graph_logits_match_eager_after_slot_compaction(tiny_model_dir: Path) -> None:

@@ -181,6 +181,8 @@ def test_sweep_phases_must_arrive_in_order(tiny_model_dir: Path) -> None:
     ):
         runner.decode(DecodeBatch.build([(1, 0, 0, [0, 1, 2])]))
     assert runner.decode(batch).shape == (1, 512)
+    with pytest.raises(GraphError, match="replay_last needs a CUDA-graph decode to replay; none has run"):
+        runner.replay_last(1)  # eager static-buffer mode has no graph to replay
     runner.release()
     assert not runner.finalized
 

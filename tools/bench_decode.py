@@ -247,6 +247,8 @@ class Row:
     step_ms: float
     tokens_per_s: float
     roofline: float
+    # Graph rows: the GPU's own time for the step (``graph_alone_ms``), without the host's share.
+    graph_alone_ms: float | None = None
 
 
 def decode_rows(model, batches: list[int], args: argparse.Namespace, device: torch.device) -> list[Row]:
@@ -310,46 +312,6 @@ def print_profile(model, run: Callable[[], object], what: str) -> None:
     from tools.step_profile import profile_steps
 
     print(profile_steps(run, steps=3, labels=step_linears(model)).table(what), flush=True)
-
-
-def graph_decode_rows(
-    model, batches: list[int], args: argparse.Namespace, device: torch.device
-) -> tuple[list[Row], float]:
-    """The serving graph path: the worker's graph runner, its whole pre-capture sweep (timed), then
-    each step as a rank runs it: host rows copied into the static buffers, the bucket's graph
-    replayed. Returns the rows and the sweep's seconds."""
-    from executor.precapture import run_precapture_sweep
-    from models.qwen35 import DecodeBatch
-    from protocol.messages import Capacity
-    from worker.buckets import state_slot_layout
-    from worker.graphs import build_graph_runner
-
-    weight_bytes = weight_bytes_per_step(model)
-    max_batch = max(batches)
-    pages_per_row = -(-(args.context + args.steps + 8) // PAGE_SIZE)
-    kv_pages = max_batch * pages_per_row
-    model.allocate_cache(kv_pages + 1, PAGE_SIZE, state_slot_layout(max_batch, cuda_graph=True).total)
-    capacity = Capacity(kv_pages, PAGE_SIZE, max_batch, max(args.prefill_len, 1))
-    runner = build_graph_runner(model, capacity, device, rank=0, world_size=1)
-    sweep = run_precapture_sweep(runner.run_phase, runner.buckets)
-    rows = []
-    for batch in batches:
-        # Built from its rows as the worker builds a Decode command's batch (host arrays and all).
-        tokens = torch.randint(0, model.config.vocab_size, (batch,)).tolist()
-        pages = torch.arange(batch * pages_per_row).view(batch, -1).tolist()
-        step = DecodeBatch.build([(tokens[r], args.context, r, pages[r]) for r in range(batch)])
-        run = lambda step=step: runner.decode(step)  # noqa: E731
-        for _ in range(args.warmup):  # the sweep's Launch phase replayed each graph once already
-            run()
-        torch.cuda.synchronize()
-        step_ms = statistics.median(cuda_time_ms(run, args.steps))
-        if args.profile:
-            print_profile(model, run, f"batch {batch}")
-        rows.append(
-            Row(batch, step_ms, batch * 1e3 / step_ms, weight_bytes / (step_ms * 1e-3) / COPY_BANDWIDTH)
-        )
-    runner.release()
-    return rows, sweep.seconds
 
 
 def prefill_ms(model, length: int, device: torch.device) -> float:
@@ -460,6 +422,7 @@ def run(args: argparse.Namespace) -> int:
         )
     )
     if args.cuda_graph:
+        from tools.bench_decode_graph import graph_decode_rows, graph_table
         from worker.buckets import bucket_for
 
         graph_rows, sweep_s = graph_decode_rows(model, batches, args, device)
@@ -467,13 +430,7 @@ def run(args: argparse.Namespace) -> int:
             f"phalanx {args.geometry} (CUDA graph, TP 1): pre-capture sweep of every bucket up to "
             f"{bucket_for(max(batches))} in {sweep_s:.1f} s"
         )
-        print("| batch | step ms | tokens/s | weight bytes / step time (of 4.3 TB/s) | vs eager |")
-        print("|---|---|---|---|---|")
-        for graph, eager in zip(graph_rows, rows, strict=True):
-            print(
-                f"| {graph.batch} | {graph.step_ms:.3f} | {graph.tokens_per_s:.0f} | {graph.roofline:.1%} "
-                f"| {eager.step_ms / graph.step_ms:.2f}x |"
-            )
+        print(graph_table(graph_rows, rows))
     if args.vs_transformers:
         del model
         torch.cuda.empty_cache()

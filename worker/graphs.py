@@ -161,6 +161,7 @@ class DecodeGraphRunner:
         self.finalized = False
         self.replays = 0
         self.eager_steps = 0
+        self._last_rows = 0  # rows of the last decode replayed from a graph (see ``replay_last``)
 
     # ------------------------------------------------------------------ the pre-capture sweep
 
@@ -295,8 +296,26 @@ class DecodeGraphRunner:
         if self.uses_cuda_graphs:
             self._graphs[bucket].replay()
             self.replays += 1
+            self._last_rows = n
             return self._outputs[bucket][:n]
         return self._eager(bucket, pages=pages)[:n]
+
+    def replay_last(self, times: int) -> torch.Tensor:
+        """Replays the graph of the last decode ``times`` more times, back to back, on the rows it
+        staged: no host work between replays, so their span is the GPU's own time for a step,
+        which ``bench decode`` sets beside the served step (staging, then replay). A timing aid,
+        not a serving path: each replay writes the rows' KV and steps their recurrent state again,
+        as another decode of the same rows would. Returns those rows' logits."""
+        if not self.uses_cuda_graphs or not self._last_rows:
+            raise GraphError("replay_last needs a CUDA-graph decode to replay; none has run")
+        if times < 1:
+            raise GraphError(f"replay_last of {times} replays; give at least 1")
+        bucket = bucket_for(self._last_rows)
+        graph = self._graphs[bucket]
+        for _ in range(times):
+            graph.replay()
+        self.replays += times
+        return self._outputs[bucket][: self._last_rows]
 
     def release(self) -> None:
         """Drop every graph (before the process group goes: graphs hold its collectives)."""
@@ -307,6 +326,7 @@ class DecodeGraphRunner:
         self._pool = None
         self._captured.clear()
         self._launched.clear()
+        self._last_rows = 0
         self.finalized = False
 
     # ------------------------------------------------------------------ static buffers
