@@ -10,6 +10,7 @@ import torch
 from tokenizers import Tokenizer
 
 from tools.cli import main
+from tools.launch_options import model_dir_problem
 
 
 def test_generate_with_the_demo_model_at_tp2_matches_transformers(
@@ -62,3 +63,22 @@ def test_generate_refuses_bad_flags(
 ) -> None:
     assert main(["generate", "--model", str(tiny_model_dir), *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_launch_commands_name_what_is_wrong_with_the_model_directory(
+    tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing, a_file, empty = tmp_path / "missing", tmp_path / "weights.bin", tmp_path / "empty"
+    a_file.write_bytes(b"")
+    empty.mkdir()
+    cases = [
+        (missing, f"model directory {missing} does not exist"),
+        (a_file, f"model path {a_file} is not a directory"),
+        (empty, f"no tokenizer.json in model directory {empty}"),
+    ]
+    for model_dir, message in cases:
+        assert main(["generate", "--model", str(model_dir), "--prompt", "hi"]) == 2
+        assert f"phalanx generate: error: {message}" in capsys.readouterr().err
+        assert main(["serve", "--model", str(model_dir)]) == 2
+        assert f"phalanx serve: error: {message}" in capsys.readouterr().err
+    assert model_dir_problem(tiny_model_dir) is None

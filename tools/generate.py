@@ -16,7 +16,7 @@ from tokenizers import Tokenizer
 from executor.engine import Engine, EngineConfig, ErrorEvent, FinishEvent, GenerationParams, TokenEvent
 from executor.errors import ExecutorError
 from executor.model_info import read_model_info
-from tools.launch_options import add_launch_arguments, executor_options
+from tools.launch_options import add_launch_arguments, executor_options, model_dir_problem
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,10 +70,10 @@ def _generate(args: argparse.Namespace) -> int:
         model_dir = demo_model_dir()
     else:
         model_dir = args.model
-    tokenizer_path = Path(model_dir) / "tokenizer.json"
-    if not tokenizer_path.is_file():
-        raise ValueError(f"no tokenizer.json in model directory {model_dir}")
-    tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    problem = model_dir_problem(model_dir)
+    if problem is not None:
+        raise ValueError(problem)
+    tokenizer = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
     prompt_ids = (
         parse_prompt_ids(args.prompt_ids) if args.prompt is None else tokenizer.encode(args.prompt).ids
     )

@@ -1,10 +1,25 @@
-"""Launch flags shared by ``phalanx serve`` and ``phalanx generate``: recording and attached ranks."""
+"""Launch flags shared by ``phalanx serve`` and ``phalanx generate``: recording, attached ranks, and
+the model directory check both make before paying for a launch."""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
+
+
+def model_dir_problem(model_dir: str | Path) -> str | None:
+    """What keeps ``model_dir`` from being served (no such directory, not a directory, no
+    tokenizer.json), or None. The ranks check the checkpoint itself when they load it."""
+    path = Path(model_dir)
+    if not path.exists():
+        return f"model directory {model_dir} does not exist"
+    if not path.is_dir():
+        return f"model path {model_dir} is not a directory"
+    if not (path / "tokenizer.json").is_file():
+        return f"no tokenizer.json in model directory {model_dir}"
+    return None
 
 
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 import structlog
 
 from executor.errors import ExecutorError
-from tools.launch_options import add_launch_arguments, executor_options
+from tools.launch_options import add_launch_arguments, executor_options, model_dir_problem
 
 log = structlog.get_logger("phalanx.serve")
 
@@ -101,8 +101,9 @@ def run(args: argparse.Namespace) -> int:
         model_dir, tp, name = demo_model_dir(), args.tp or DEMO_TP, args.served_model_name or "tiny-demo"
     else:
         model_dir, tp, name = args.model, args.tp or 1, args.served_model_name
-    if not (Path(model_dir) / "tokenizer.json").is_file():
-        print(f"phalanx serve: error: no tokenizer.json in model directory {model_dir}", file=sys.stderr)
+    problem = model_dir_problem(model_dir)
+    if problem is not None:
+        print(f"phalanx serve: error: {problem}", file=sys.stderr)
         return 2
     kv_pages = args.kv_pages if args.kv_pages is not None else (512 if args.device == "cpu" else 0)
     config = EngineConfig(
