@@ -1,11 +1,15 @@
-"""``phalanx serve``'s own helpers: the curl line it prints and the note on eager CUDA decode."""
+"""``phalanx serve``'s own helpers and flags: the curl line it prints, the note on eager CUDA
+decode, and the refusals of a zero TP degree and of ports outside the range."""
 
 from __future__ import annotations
 
 import json
 import shlex
 
-from tools.serve import curl_line, eager_decode_note
+import pytest
+
+from tools.cli import main
+from tools.serve import curl_line, eager_decode_note, port_number
 
 
 def test_curl_line_posts_a_chat_completion_to_the_printed_address() -> None:
@@ -20,3 +24,18 @@ def test_a_cuda_replica_without_graphs_is_told_about_cuda_graph() -> None:
     assert note is not None and note.startswith("note: decode runs eagerly; --cuda-graph replays")
     assert eager_decode_note("cuda", cuda_graph=True) is None
     assert eager_decode_note("cpu", cuda_graph=False) is None  # graphs are CUDA's; CPU has no note
+
+
+def test_serve_refuses_a_zero_tp_and_ports_outside_the_range(capsys: pytest.CaptureFixture[str]) -> None:
+    # --tp 0 once fell back to the demo's default degree and served.
+    assert main(["serve", "--tp", "0", "--port", "0"]) == 1
+    assert (
+        "phalanx serve: error: the replica did not start: tp must be at least 1, got 0"
+        in capsys.readouterr().err
+    )
+    for port in ("70000", "-1", "http"):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["serve", "--port", port])
+        assert exit_info.value.code == 2
+        assert f"argument --port: must be a port from 0 to 65535, got '{port}'" in capsys.readouterr().err
+    assert port_number("0") == 0 and port_number("65535") == 65535

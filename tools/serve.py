@@ -35,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--cuda-graph", action="store_true", help="decode from CUDA graphs (cuda only)")
     parser.add_argument("--host", default="127.0.0.1", help="interface to listen on")
-    parser.add_argument("--port", type=int, default=8000, help="port (0: a free one)")
+    parser.add_argument("--port", type=port_number, default=8000, help="port (0: a free one)")
     parser.add_argument(
         "--served-model-name", default=None, help="model id in the API (default: directory name)"
     )
@@ -57,6 +57,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-timeout", type=float, default=300.0, help="seconds one engine step may take")
     parser.add_argument("--log-level", default="warning", help="uvicorn's access/error log level")
     add_launch_arguments(parser)
+
+
+def port_number(text: str) -> int:
+    """A TCP port for ``--port``: 0 (a free one) to 65535."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port from 0 to 65535, got {text!r}")
+    return port
 
 
 def curl_line(base: str, model: str) -> str:
@@ -98,9 +109,10 @@ def run(args: argparse.Namespace) -> int:
     if args.model is None:
         from tools.demo_model import demo_model_dir
 
-        model_dir, tp, name = demo_model_dir(), args.tp or DEMO_TP, args.served_model_name or "tiny-demo"
+        tp = DEMO_TP if args.tp is None else args.tp
+        model_dir, name = demo_model_dir(), args.served_model_name or "tiny-demo"
     else:
-        model_dir, tp, name = args.model, args.tp or 1, args.served_model_name
+        model_dir, tp, name = args.model, 1 if args.tp is None else args.tp, args.served_model_name
     problem = model_dir_problem(model_dir)
     if problem is not None:
         print(f"phalanx serve: error: {problem}", file=sys.stderr)
