@@ -48,14 +48,6 @@ def test_tp2_shards_are_the_slices_of_the_tp1_tensors() -> None:
     assert torch.equal(rank1, torch.cat([gate[inter // 2 :], up[inter // 2 :]])), "rank 1's fused gate|up"
 
 
-def test_tp_degrees_refuse_nonsense() -> None:
-    assert bench_decode.tp_degrees("1,2,4") == [1, 2, 4]
-    with pytest.raises(argparse.ArgumentTypeError, match="must be comma-separated integers, got 'two'"):
-        bench_decode.tp_degrees("two")
-    with pytest.raises(argparse.ArgumentTypeError, match="needs TP degrees of at least 1, got '0,2'"):
-        bench_decode.tp_degrees("0,2")
-
-
 def test_warmup_steps_are_zero_or_more() -> None:
     assert bench_decode.warmup_steps("0") == 0 and bench_decode.warmup_steps("30") == 30
     with pytest.raises(argparse.ArgumentTypeError, match="must be 0 or more steps, got -1"):

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from models.tiny import TINY_GEOMETRY
+from tools.bench_args import at_least, integer_at_least, tp_degrees
 from tools.host_info import host_line
 
 COPY_BANDWIDTH = 4.3e12  # bytes/s, device-to-device copy measured on the H200 (read + write)
@@ -79,14 +80,16 @@ ROPE = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--geometry", choices=sorted(GEOMETRIES), default="4b")
     parser.add_argument("--batch", default="1,8,32,64", help="comma-separated batch sizes")
-    parser.add_argument("--steps", type=int, default=20, help="timed decode steps per batch size")
+    parser.add_argument("--steps", type=at_least(1), default=20, help="timed decode steps per batch size")
     parser.add_argument(
         "--warmup",
         type=warmup_steps,
         default=30,
         help="untimed decode steps per batch size before the timed ones",
     )
-    parser.add_argument("--context", type=int, default=512, help="tokens already in each row's KV cache")
+    parser.add_argument(
+        "--context", type=at_least(0), default=512, help="tokens already in each row's KV cache"
+    )
     parser.add_argument(
         "--prefill-len",
         type=prefill_length,
@@ -122,35 +125,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _non_negative(text: str, meaning: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be {meaning}, got {value}")
-    return value
-
-
 def prefill_length(text: str) -> int:
     """``--prefill-len``: a prompt length, or 0 for no prefill figure."""
-    return _non_negative(text, "0 (no prefill figure) or a prompt length")
+    return integer_at_least(text, 0, "0 (no prefill figure) or a prompt length")
 
 
 def warmup_steps(text: str) -> int:
     """``--warmup``: 0 or more untimed steps."""
-    return _non_negative(text, "0 or more steps")
-
-
-def tp_degrees(text: str) -> list[int]:
-    """``--tp 1,2,4``: the tensor-parallel degrees to measure."""
-    try:
-        degrees = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be comma-separated integers, got {text!r}") from None
-    if not degrees or min(degrees) < 1:
-        raise argparse.ArgumentTypeError(f"needs TP degrees of at least 1, got {text!r}")
-    return degrees
+    return integer_at_least(text, 0, "0 or more steps")
 
 
 def config_dict(geometry: str) -> dict[str, object]:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tools.bench_args import at_least
 from tools.bench_decode import cuda_time_ms
 
 COPY_BANDWIDTH = 4.3e12  # bytes/s, device-to-device copy measured on the H200 (read + write)
@@ -45,12 +46,16 @@ class Timing:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", default="1,8,16,32,64,128,256", help="comma-separated batch sizes")
     parser.add_argument("--paths", default="fused,split,copy", help=f"comma-separated, of {', '.join(PATHS)}")
-    parser.add_argument("--key-heads", type=int, default=16, help="Hk (4B at TP 1: 16)")
-    parser.add_argument("--value-heads", type=int, default=32, help="Hv (4B at TP 1: 32)")
-    parser.add_argument("--head-dim", type=int, default=128, help="dk = dv")
-    parser.add_argument("--calls", type=int, default=20, help="back-to-back calls per graph (at least)")
-    parser.add_argument("--replays", type=int, default=10, help="timed graph replays per figure")
-    parser.add_argument("--layers", type=int, default=24, help="GDN layers per step, for the per-step column")
+    parser.add_argument("--key-heads", type=at_least(1), default=16, help="Hk (4B at TP 1: 16)")
+    parser.add_argument("--value-heads", type=at_least(1), default=32, help="Hv (4B at TP 1: 32)")
+    parser.add_argument("--head-dim", type=at_least(1), default=128, help="dk = dv")
+    parser.add_argument(
+        "--calls", type=at_least(1), default=20, help="back-to-back calls per graph (at least)"
+    )
+    parser.add_argument("--replays", type=at_least(1), default=10, help="timed graph replays per figure")
+    parser.add_argument(
+        "--layers", type=at_least(1), default=24, help="GDN layers per step, for the per-step column"
+    )
     parser.add_argument("--seed", type=int, default=0)
 
 

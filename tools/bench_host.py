@@ -24,15 +24,18 @@ from typing import Any
 import torch
 
 from kernels import ops
+from tools.bench_args import at_least
 from tools.bench_decode import GEOMETRIES, PAGE_SIZE, build_random_model
 from tools.host_info import host_line
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--geometry", choices=sorted(GEOMETRIES), default="4b")
-    parser.add_argument("--batch", type=int, default=1, help="decode rows")
-    parser.add_argument("--steps", type=int, default=20, help="steps per measurement")
-    parser.add_argument("--context", type=int, default=512, help="tokens already in each row's KV cache")
+    parser.add_argument("--batch", type=at_least(1), default=1, help="decode rows")
+    parser.add_argument("--steps", type=at_least(1), default=20, help="steps per measurement")
+    parser.add_argument(
+        "--context", type=at_least(0), default=512, help="tokens already in each row's KV cache"
+    )
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
 
 

@@ -26,6 +26,8 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
+from tools.bench_args import at_least
+
 COPY_BANDWIDTH = 4.3e12  # bytes/s, device-to-device copy measured on the H200 (read + write)
 L2_FLUSH_BYTES = 256e6  # several times the H200's 60 MB L2: copies per shape cover at least this
 BACKENDS = ("triton", "cublas")
@@ -62,10 +64,14 @@ class Timing:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--geometry", default="4b", help="comma-separated geometries, e.g. 4b,9b")
-    parser.add_argument("--tp", type=int, default=1, help="time one rank's shards at this TP degree")
+    parser.add_argument("--tp", type=at_least(1), default=1, help="time one rank's shards at this TP degree")
     parser.add_argument("--m", default="1,16,64", help="comma-separated row counts (decode batch sizes)")
-    parser.add_argument("--calls", type=int, default=20, help="back-to-back calls per per-shape graph")
-    parser.add_argument("--replays", type=int, default=20, help="timed graph replays (median is reported)")
+    parser.add_argument(
+        "--calls", type=at_least(1), default=20, help="back-to-back calls per per-shape graph"
+    )
+    parser.add_argument(
+        "--replays", type=at_least(1), default=20, help="timed graph replays (median is reported)"
+    )
     parser.add_argument("--no-whole", action="store_true", help="skip the whole-model-set totals")
     parser.add_argument("--json", default=None, help="also write every figure to this file")
 

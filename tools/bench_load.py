@@ -18,6 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from tools.bench_args import at_least
+
 GIB = 1024**3
 MIB = 1024**2
 
@@ -44,8 +46,8 @@ BASE_TEXT_CONFIG = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size-gb", type=float, default=4.0, help="checkpoint size to write (GiB)")
-    parser.add_argument("--tp", type=int, default=4, help="TP degree (default 4)")
-    parser.add_argument("--rank", type=int, default=0, help="the rank whose load is measured")
+    parser.add_argument("--tp", type=at_least(1), default=4, help="TP degree (default 4)")
+    parser.add_argument("--rank", type=at_least(0), default=0, help="the rank whose load is measured")
     parser.add_argument("--dir", default=None, help="write the checkpoint here and keep it (default: temp)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
 

@@ -36,6 +36,7 @@ from protocol.messages import (
 )
 from protocol.packing import pack_ids
 from protocol.transport import CoordinatorSocket, RankSocket, RuntimeDir, tcp_address
+from tools.bench_args import at_least, tp_degrees
 
 EPOCH = 1
 
@@ -110,18 +111,18 @@ def measure(tp: int, iterations: int, warmup: int, rows: int, transport: str) ->
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tp", default="2,4,8", help="comma-separated TP degrees (default 2,4,8)")
-    parser.add_argument("--iterations", type=int, default=2000)
-    parser.add_argument("--warmup", type=int, default=200)
-    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument(
+        "--tp", type=tp_degrees, default="2,4,8", help="comma-separated TP degrees (default 2,4,8)"
+    )
+    parser.add_argument("--iterations", type=at_least(1), default=2000)
+    parser.add_argument("--warmup", type=at_least(0), default=200)
+    parser.add_argument("--rows", type=at_least(1), default=64)
     parser.add_argument("--transport", choices=("ipc", "tcp"), default="ipc")
     parser.add_argument("--json", action="store_true", help="print one JSON object per TP degree")
 
 
 def run(args: argparse.Namespace) -> int:
-    results = [
-        measure(int(tp), args.iterations, args.warmup, args.rows, args.transport) for tp in args.tp.split(",")
-    ]
+    results = [measure(tp, args.iterations, args.warmup, args.rows, args.transport) for tp in args.tp]
     if args.json:
         for result in results:
             print(json.dumps(result))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 import structlog
 
@@ -21,6 +22,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from models.tiny import build_tiny_model
 
-    out = build_tiny_model(args.dir, tied=args.tied, seed=args.seed)
+    try:
+        out = build_tiny_model(args.dir, tied=args.tied, seed=args.seed)
+    except OSError as e:
+        print(f"phalanx make-tiny-model: error: cannot write {args.dir}: {e}", file=sys.stderr)
+        return 2
     log.info("tiny model written", dir=str(out), tied=args.tied, seed=args.seed)
     return 0
