@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import torch
 from fastapi.testclient import TestClient
 
 from executor.engine import Engine, EngineConfig, ErrorEvent, GenerationParams
@@ -233,6 +234,20 @@ def test_failed_weight_load_names_rank_and_phase(
     assert (info.value.rank, info.value.phase) == (1, "startup:load")
     assert sorted(info.value.exit_codes) == [0, 1]
     assert all(code not in (None, 0) for code in info.value.exit_codes.values()), info.value.exit_codes
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host without a CUDA GPU")
+def test_cuda_asked_for_on_a_host_without_a_gpu_says_so(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    with _no_leftovers(monkeypatch, tmp_path), pytest.raises(StartupError) as info:
+        launch_executor(ExecutorConfig(model_dir=str(tiny_model_dir), tp=1, device="cuda", **LIMITS))
+    message = str(info.value)
+    assert message.startswith(
+        "rank 0 failed during startup:device: RuntimeError: rank 0: device cuda:0 asked for, but torch ("
+    ), message
+    assert message.endswith("sees 0 CUDA GPU(s) on this host"), message
+    assert (info.value.rank, info.value.phase) == (0, "startup:device")
 
 
 def test_hung_distributed_init_aborts_within_the_watchdog_time(

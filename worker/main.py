@@ -47,6 +47,13 @@ class StartupFailure(Exception):
 
 def _device(config: WorkerConfig) -> torch.device:
     if config.device == "cuda":
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if config.local_rank >= visible:
+            build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+            raise RuntimeError(
+                f"rank {config.rank}: device cuda:{config.local_rank} asked for, but torch "
+                f"({torch.__version__}, {build}) sees {visible} CUDA GPU(s) on this host"
+            )
         torch.cuda.set_device(config.local_rank)
         return torch.device("cuda", config.local_rank)
     if config.device != "cpu":
