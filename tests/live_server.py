@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -24,18 +25,32 @@ _ADDRESS = re.compile(r"phalanx serving .* on (http://\S+)")
 def live_server(model_dir: Path, log_path: Path, *extra: str, startup_s: float = 120.0) -> Iterator[str]:
     """Start the server at TP 2 on CPU; yield its base URL (no /v1); stop it afterwards."""
     argv = ["--model", str(model_dir), "--tp", "2", "--served-model-name", MODEL_NAME, *extra]
-    with serve_process([*argv, "--max-slots", "8", "--kv-pages", "128"], log_path, startup_s) as (url, _):
-        yield url
+    with serve_process([*argv, "--max-slots", "8", "--kv-pages", "128"], log_path, startup_s) as served:
+        yield served.url
+
+
+@dataclass
+class Served:
+    url: str  # the base URL (no /v1)
+    printed: list[str]  # the lines the server printed so far
+    process: subprocess.Popen[str]
 
 
 @contextmanager
 def serve_process(
-    args: list[str], log_path: Path, startup_s: float = 120.0, env: dict[str, str] | None = None
-) -> Iterator[tuple[str, list[str]]]:
-    """Run ``phalanx serve ARGS --port 0``; yield its base URL and the lines it printed."""
+    args: list[str],
+    log_path: Path,
+    startup_s: float = 120.0,
+    env: dict[str, str] | None = None,
+    new_session: bool = False,
+) -> Iterator[Served]:
+    """Run ``phalanx serve ARGS --port 0``. ``new_session`` gives the server and its ranks a process
+    group of their own, which a test may signal as a terminal's Ctrl-C would."""
     argv = [sys.executable, "-m", "tools", "serve", *args, "--port", "0"]
     log = log_path.open("w")
-    process = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+    process = subprocess.Popen(
+        argv, cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True, env=env, start_new_session=new_session
+    )
     found: list[str] = []
     printed: list[str] = []
     ready = threading.Event()
@@ -62,7 +77,7 @@ def serve_process(
         deadline = time.monotonic() + 5.0  # the curl line follows the address
         while len(printed) < 2 and time.monotonic() < deadline:
             time.sleep(0.02)
-        yield found[0], printed
+        yield Served(found[0], printed, process)
     finally:
         if process.poll() is None:
             process.send_signal(signal.SIGINT)

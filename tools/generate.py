@@ -61,6 +61,9 @@ def run(args: argparse.Namespace) -> int:
     except ExecutorError as exc:
         print(f"phalanx generate: error: the replica did not start: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # the engine has shut its ranks down on the way out (they ignore SIGINT)
+        print("phalanx generate: interrupted", file=sys.stderr)
+        return 130
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -4,6 +4,7 @@ so the coordinator can name it without importing torch."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 import time
@@ -29,7 +30,12 @@ def _deliver_last_frames(timeout_s: float = 2.0) -> None:
 
 def spawn_main(config_json: bytes) -> None:
     """Run one rank and leave with its exit code, skipping interpreter teardown: a peer wedged
-    in a collective must not be able to hang our exit."""
+    in a collective must not be able to hang our exit.
+
+    A spawned rank ignores SIGINT. Ctrl-C in a terminal reaches the whole process group, and the
+    coordinator, which owns the ranks' lifecycle, answers it with Shutdown to every rank (or kills
+    them); a rank that died of the signal first would turn an orderly stop into a dead-rank failure."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
     from worker.config import decode_config
     from worker.main import run_worker
