@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 import math
+import secrets
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -46,11 +47,17 @@ class GenerationParams:
             raise ValueError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}")
 
     def sampling(self) -> SamplingParams:
+        """The parameters the ranks sample with. A request that samples (temperature > 0) without a
+        seed gets one drawn here, once: the coordinator owns that decision like every other, so rank
+        0's draws follow from the commands alone and a recorded trace replays token for token."""
+        seed = self.seed
+        if seed is None and self.temperature > 0:
+            seed = secrets.randbits(63)
         return SamplingParams(
             temperature=float(self.temperature),
             top_k=self.top_k,
             top_p=float(self.top_p),
-            seed=self.seed,
+            seed=seed,
             logprobs=self.logprobs,
         )
 

@@ -34,7 +34,9 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults
     """How rank 0 picks a request's next token.
 
     temperature 0 means greedy (ties go to the smallest id). top_k 0 and top_p 1.0 disable those
-    filters. With a seed, the draw depends only on (seed, position), never on the batch.
+    filters. With a seed, the draw depends only on (seed, position), never on the batch. The
+    coordinator gives every request that samples a seed (its own, or one it draws), so a command
+    fixes its tokens; a command without one (only a hand-made trace sends it) draws unseeded.
     logprobs None returns no logprobs; N >= 0 returns the chosen token's logprob and the top N.
     """
 

@@ -166,12 +166,14 @@ def test_unreadable_trace_is_a_clean_error(tmp_path: Path, capsys: pytest.Captur
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("temperature", ["0", "1.0"])  # greedy; sampled, with no seed given
 def test_generate_record_then_replay_run_matches(
-    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], temperature: str
 ) -> None:
     recorded, replayed = tmp_path / "generate.trace", tmp_path / "replay.trace"
     argv = ["generate", "--model", str(tiny_model_dir), "--tp", "2", "--prompt-ids", "5,6,7,8"]
     argv += ["--max-tokens", "5", "--ignore-eos", "--kv-pages", "16", "--json", "--record", str(recorded)]
+    argv += ["--temperature", temperature]
     assert phalanx(argv) == 0
     generated = json.loads(capsys.readouterr().out)["token_ids"]
     trace = read_trace(recorded)

@@ -276,3 +276,15 @@ def test_dense_slots_and_page_pool_bookkeeping() -> None:
     pool.release(pages)
     with pytest.raises(RuntimeError, match="page 0 released but not allocated"):
         pool.release([0])
+
+
+def test_the_coordinator_seeds_every_request_that_samples() -> None:
+    """Sampling with no seed given still sends one in the commands (drawn per request), so rank 0's
+    draws follow from the trace; a given seed is kept, and greedy requests carry none."""
+    drawn = [GenerationParams(temperature=0.8).sampling().seed for _ in range(4)]
+    assert all(isinstance(seed, int) and 0 <= seed < 1 << 63 for seed in drawn)
+    assert len(set(drawn)) == 4
+    assert GenerationParams(temperature=0.8, seed=-5).sampling().seed == -5
+    assert GenerationParams(temperature=0.0).sampling().seed is None
+    request = Request(1, [1, 2], GenerationParams(temperature=1.0), emit=lambda _event: None)
+    assert request.sampling.seed is not None  # drawn once, when the request is admitted
