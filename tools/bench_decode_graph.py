@@ -88,9 +88,8 @@ def graph_table(graph_rows: list[Row], eager_rows: list[Row]) -> str:
         "|---|---|---|---|---|---|",
     ]
     for graph, eager in zip(graph_rows, eager_rows, strict=True):
-        alone = "n/a" if graph.graph_alone_ms is None else f"{graph.graph_alone_ms:.3f}"
         lines.append(
-            f"| {graph.batch} | {graph.step_ms:.3f} | {alone} | {graph.tokens_per_s:.0f} | {graph.roofline:.1%} "
+            f"| {graph.batch} | {graph.step_ms:.3f} | {graph.graph_alone_ms:.3f} | {graph.tokens_per_s:.0f} | {graph.roofline:.1%} "
             f"| {eager.step_ms / graph.step_ms:.2f}x |"
         )
     return "\n".join(lines)

@@ -24,6 +24,8 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
+from tools.bench_args import at_least
+
 WORDS = [
     "time",
     "person",
@@ -63,13 +65,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--base-url", default="http://127.0.0.1:8000", help="server address (with or without /v1)"
     )
     parser.add_argument("--model", default=None, help="model id (default: the server's first model)")
-    parser.add_argument("--concurrency", type=int, default=8, help="requests in flight at once")
-    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--concurrency", type=at_least(1), default=8, help="requests in flight at once")
+    parser.add_argument("--num-prompts", type=at_least(1), default=64)
     parser.add_argument(
-        "--input-len", type=int, default=128, help="prompt tokens (words with --prompt-kind text)"
+        "--input-len", type=at_least(1), default=128, help="prompt tokens (words with --prompt-kind text)"
     )
     parser.add_argument(
-        "--output-len", type=int, default=128, help="tokens generated per request (ignore_eos)"
+        "--output-len", type=at_least(1), default=128, help="tokens generated per request (ignore_eos)"
     )
     parser.add_argument("--prompt-kind", choices=("ids", "text"), default="ids")
     parser.add_argument("--max-id", type=int, default=256, help="random token ids are drawn from [0, max-id)")
@@ -195,12 +197,6 @@ def _first_model(base_url: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    if min(args.concurrency, args.num_prompts, args.input_len, args.output_len) < 1:
-        print(
-            "phalanx bench serve: concurrency, num-prompts, input-len and output-len must be >= 1",
-            file=sys.stderr,
-        )
-        return 2
     try:
         model = args.model or _first_model(args.base_url)
     except httpx.HTTPError as e:
