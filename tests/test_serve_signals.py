@@ -1,7 +1,8 @@
 """``phalanx serve`` stops in order on Ctrl-C (SIGINT to its whole process group, as a terminal
-sends it) and on SIGTERM to the server alone (as a service manager sends it): Shutdown reaches
-every rank, the replica is shut down, and the server exits 0 without a traceback. ``phalanx
-generate`` interrupted mid-generation does the same and exits 130."""
+sends it) and on SIGTERM, to the server alone or to every process of it (as a service manager
+sends it): Shutdown reaches every rank, the replica is shut down, and the server exits 0 without a
+traceback. ``phalanx generate`` interrupted mid-generation does the same and exits 130 (SIGINT)
+or 143 (SIGTERM). A spawned rank outlives a SIGTERM by a grace period, then leaves on its own."""
 
 from __future__ import annotations
 
@@ -16,27 +17,30 @@ import pytest
 from live_server import REPO, serve_process
 
 
-@pytest.mark.parametrize("stop", ["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize(("stop", "to_group"), [("SIGINT", True), ("SIGTERM", False), ("SIGTERM", True)])
 def test_serve_shuts_the_replica_down_in_order_when_stopped(
-    tiny_model_dir: Path, tmp_path: Path, stop: str
+    tiny_model_dir: Path, tmp_path: Path, stop: str, to_group: bool
 ) -> None:
     log_path = tmp_path / "serve.log"
     args = ["--model", str(tiny_model_dir), "--tp", "2", "--kv-pages", "64"]
     with serve_process(args, log_path, new_session=True) as served:
-        if stop == "SIGINT":  # the server and both ranks receive it
-            os.killpg(served.process.pid, signal.SIGINT)
+        if to_group:  # the server and both ranks receive it (a terminal, systemd's default)
+            os.killpg(served.process.pid, signal.Signals[stop])
         else:
-            served.process.send_signal(signal.SIGTERM)
+            served.process.send_signal(signal.Signals[stop])
         assert served.process.wait(60) == 0
     log = log_path.read_text()
     assert f"phalanx serve: stopped by {stop}; shutting the replica down" in log
+    if stop == "SIGTERM" and to_group:  # each rank waited for the coordinator's Shutdown
+        assert log.count("SIGTERM: leaving unless the coordinator stops this rank first") == 2, log[-3000:]
     assert log.count("event='shutdown'") == 2, log[-3000:]  # each rank answered Shutdown
     assert "event='executor shut down'" in log
     assert "Traceback" not in log and "poisoned" not in log, log[-3000:]
 
 
-def test_generate_interrupted_shuts_the_replica_down_and_exits_130(
-    tiny_model_dir: Path, tmp_path: Path
+@pytest.mark.parametrize(("stop", "code"), [("SIGINT", 130), ("SIGTERM", 143)])
+def test_generate_stopped_shuts_the_replica_down(
+    tiny_model_dir: Path, tmp_path: Path, stop: str, code: int
 ) -> None:
     log_path = tmp_path / "generate.log"
     argv = [sys.executable, "-m", "tools", "generate", "--model", str(tiny_model_dir), "--tp", "2"]
@@ -49,9 +53,44 @@ def test_generate_interrupted_shuts_the_replica_down_and_exits_130(
         while "event='executor serving'" not in log_path.read_text():  # generating now
             assert process.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
             time.sleep(0.02)
-        os.killpg(process.pid, signal.SIGINT)
-        assert process.wait(60) == 130
+        os.killpg(process.pid, signal.Signals[stop])
+        assert process.wait(60) == code
     text = log_path.read_text()
-    assert "phalanx generate: interrupted" in text
+    said = "phalanx generate: interrupted" if stop == "SIGINT" else "phalanx generate: stopped by SIGTERM"
+    assert said in text, text[-3000:]
     assert text.count("event='shutdown'") == 2 and "event='executor shut down'" in text, text[-3000:]
     assert "Traceback" not in text, text[-3000:]
+
+
+_RANK_STUCK_IN_A_CALL = """
+import os, sys
+from worker.entry import _leave_after_sigterm
+_leave_after_sigterm(float(sys.argv[1]))
+print("ready", flush=True)
+read_fd, _ = os.pipe()
+os.read(read_fd, 1)  # blocks for good: the main thread never finishes this call
+"""
+
+
+def test_a_rank_stuck_in_a_call_still_leaves_after_the_sigterm_grace() -> None:
+    grace_s = 1.5
+    process = subprocess.Popen(
+        [sys.executable, "-c", _RANK_STUCK_IN_A_CALL, str(grace_s)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stdout.readline() == "ready\n"
+        process.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        time.sleep(0.5)
+        assert process.poll() is None  # the grace: the coordinator may still stop it in order
+        assert process.wait(20) == 128 + signal.SIGTERM
+        assert time.monotonic() - sent >= grace_s - 0.1
+        said = process.stdout.read() + process.stderr.read()  # unconfigured structlog prints to stdout
+        assert "SIGTERM: leaving unless the coordinator stops this rank first" in said, said
+    finally:
+        process.kill()
+        process.wait()

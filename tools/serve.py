@@ -9,19 +9,17 @@ ready. ``--port 0`` picks a free port (the printed address names it).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import shlex
-import signal
 import socket
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import structlog
 
 from executor.errors import ExecutorError
 from tools.launch_options import add_launch_arguments, executor_options, model_dir_problem
+from tools.stop_signals import StopSignal, stop_signals_raise
 
 log = structlog.get_logger("phalanx.serve")
 
@@ -155,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
         if note:
             print(note, flush=True)
         server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5))
-        with _stop_signals_raise():
+        with stop_signals_raise():
             try:
                 server.run(sockets=[sock])
             except (KeyboardInterrupt, StopSignal) as stop:
@@ -166,22 +164,3 @@ def run(args: argparse.Namespace) -> int:
                     flush=True,
                 )
     return 0
-
-
-class StopSignal(Exception):
-    """SIGTERM, raised once uvicorn has drained its connections (it re-sends the signal it stopped on)."""
-
-
-@contextlib.contextmanager
-def _stop_signals_raise() -> Iterator[None]:
-    """While serving, SIGTERM raises ``StopSignal`` instead of ending the process at once, so the
-    replica is shut down in order (Shutdown to every rank) as on Ctrl-C."""
-
-    def raise_stop(signum: int, _frame: object) -> None:
-        raise StopSignal(signal.Signals(signum).name)
-
-    previous = signal.signal(signal.SIGTERM, raise_stop)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
