@@ -24,6 +24,10 @@ def test_a_cuda_replica_without_graphs_is_told_about_cuda_graph() -> None:
     assert note is not None and note.startswith("note: decode runs eagerly; --cuda-graph replays")
     assert eager_decode_note("cuda", cuda_graph=True) is None
     assert eager_decode_note("cpu", cuda_graph=False) is None  # graphs are CUDA's; CPU has no note
+    assert eager_decode_note("cpu", cuda_graph=True) == (
+        "note: --cuda-graph has no effect on cpu: decode runs the graph runner's static buffers "
+        "and pre-capture sweep eagerly"
+    )
 
 
 def test_serve_refuses_a_zero_tp_and_ports_outside_the_range(capsys: pytest.CaptureFixture[str]) -> None:

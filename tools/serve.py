@@ -81,9 +81,18 @@ def curl_line(base: str, model: str) -> str:
 
 
 def eager_decode_note(device: str, cuda_graph: bool) -> str | None:
-    """What serve prints when a CUDA replica will decode eagerly: graphs are opt-in (the
-    pre-capture sweep adds seconds to startup), and they are what makes small batches fast."""
-    if device != "cuda" or cuda_graph:
+    """What serve prints when a replica will decode eagerly where the user might expect otherwise:
+    on CUDA without ``--cuda-graph`` (graphs are opt-in: the pre-capture sweep adds seconds to
+    startup, and they are what makes small batches fast), and with ``--cuda-graph`` on a device
+    that has no CUDA graphs."""
+    if device != "cuda":
+        if not cuda_graph:
+            return None
+        return (
+            f"note: --cuda-graph has no effect on {device}: decode runs the graph runner's static "
+            "buffers and pre-capture sweep eagerly"
+        )
+    if cuda_graph:
         return None
     return (
         "note: decode runs eagerly; --cuda-graph replays one CUDA graph per batch bucket "
