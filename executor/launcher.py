@@ -98,12 +98,21 @@ def launch_executor(config: ExecutorConfig) -> Executor:
     try:
         capacity = run_startup_gate(link, epoch, config.startup_timeout, dist_init_method, backend)
     except BaseException as exc:
-        log.error("startup failed", error=str(exc))
-        link.stop_all(grace_s=5.0)
+        stopped = not isinstance(exc, Exception)  # Ctrl-C or SIGTERM: the caller reports the stop
+        if stopped:
+            log.info("startup stopped", by=type(exc).__name__)
+        else:
+            log.error("startup failed", error=str(exc))
+        if stopped:  # nothing a starting rank holds is worth waiting for
+            link.kill_all(reason=f"the coordinator was stopped ({type(exc).__name__})", epoch=epoch)
+        else:
+            link.stop_all(grace_s=5.0)
         sock.close()
         if runtime_dir is not None:
             runtime_dir.remove()
         exit_codes = {rank.rank: rank.exitcode for rank in ranks}
+        if stopped:
+            raise
         if isinstance(exc, StartupError):
             exc.exit_codes = exit_codes
             raise

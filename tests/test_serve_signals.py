@@ -62,6 +62,37 @@ def test_generate_stopped_shuts_the_replica_down(
     assert "Traceback" not in text, text[-3000:]
 
 
+@pytest.mark.parametrize(("stop", "code"), [("SIGINT", 130), ("SIGTERM", 143)])
+def test_generate_stopped_during_startup_stops_its_ranks(
+    tiny_model_dir: Path, tmp_path: Path, stop: str, code: int
+) -> None:
+    log_path = tmp_path / "generate.log"
+    argv = [sys.executable, "-m", "tools", "generate", "--model", str(tiny_model_dir), "--tp", "2"]
+    argv += ["--prompt-ids", "1,2,3", "--max-tokens", "4"]
+    with log_path.open("w") as log:
+        process = subprocess.Popen(
+            argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True
+        )
+        deadline = time.monotonic() + 120
+        while "event='model loaded'" not in log_path.read_text():  # a rank is up, the gate is not open
+            assert process.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.01)
+        os.killpg(process.pid, signal.Signals[stop])
+        assert process.wait(60) == code
+    text = log_path.read_text()
+    said = "phalanx generate: interrupted" if stop == "SIGINT" else "phalanx generate: stopped by SIGTERM"
+    assert said in text and "event='startup stopped'" in text, text[-3000:]
+    assert "Traceback" not in text and "startup failed" not in text, text[-3000:]
+    deadline = time.monotonic() + 10
+    while True:  # no rank outlives its coordinator's stop
+        try:
+            os.killpg(process.pid, 0)
+        except ProcessLookupError:
+            break
+        assert time.monotonic() < deadline, "a rank was still running 10 s after generate exited"
+        time.sleep(0.05)
+
+
 _RANK_STUCK_IN_A_CALL = """
 import os, sys
 from worker.entry import _leave_after_sigterm

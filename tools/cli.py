@@ -2,6 +2,10 @@
 
 A subcommand module provides ``add_arguments(parser)`` and ``run(args) -> int``. Modules are
 imported only when their subcommand runs, so ``phalanx generate`` never pays for the server.
+
+Ctrl-C and SIGTERM unwind a subcommand (its replica shut down, its temporary files removed) and
+end it with one line and the shell's codes, 130 and 143, instead of a traceback or a death without
+cleanup. ``phalanx serve`` answers both itself, with an orderly stop and exit 0.
 """
 
 from __future__ import annotations
@@ -9,6 +13,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+
+from tools.stop_signals import StopSignal, stop_signals_raise
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("tools.serve", "OpenAI-compatible server (the embedded tiny demo model by default)"),
@@ -41,7 +47,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"phalanx {name}", description=help_text)
     module.add_arguments(parser)
     args = parser.parse_args(rest)
-    return int(module.run(args) or 0)
+    try:
+        with stop_signals_raise():
+            return int(module.run(args) or 0)
+    except KeyboardInterrupt:
+        print(f"phalanx {name}: interrupted", file=sys.stderr)
+        return 130
+    except StopSignal as stop:
+        print(f"phalanx {name}: stopped by {stop}", file=sys.stderr)
+        return 143
 
 
 if __name__ == "__main__":

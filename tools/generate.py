@@ -17,7 +17,6 @@ from executor.engine import Engine, EngineConfig, ErrorEvent, FinishEvent, Gener
 from executor.errors import ExecutorError
 from executor.model_info import read_model_info
 from tools.launch_options import add_launch_arguments, executor_options, model_dir_problem
-from tools.stop_signals import StopSignal, stop_signals_raise
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,20 +54,13 @@ def parse_prompt_ids(text: str) -> list[int]:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        with stop_signals_raise():
-            return _generate(args)
+        return _generate(args)
     except ValueError as exc:
         print(f"phalanx generate: error: {exc}", file=sys.stderr)
         return 2
     except ExecutorError as exc:
         print(f"phalanx generate: error: the replica did not start: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:  # the engine has shut its ranks down on the way out (they ignore SIGINT)
-        print("phalanx generate: interrupted", file=sys.stderr)
-        return 130
-    except StopSignal as stop:  # raised inside the engine's block: Shutdown went to every rank
-        print(f"phalanx generate: stopped by {stop}", file=sys.stderr)
-        return 143
 
 
 def _generate(args: argparse.Namespace) -> int:

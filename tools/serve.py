@@ -19,7 +19,7 @@ import structlog
 
 from executor.errors import ExecutorError
 from tools.launch_options import add_launch_arguments, executor_options, model_dir_problem
-from tools.stop_signals import StopSignal, stop_signals_raise
+from tools.stop_signals import StopSignal
 
 log = structlog.get_logger("phalanx.serve")
 
@@ -162,14 +162,13 @@ def run(args: argparse.Namespace) -> int:
         if note:
             print(note, flush=True)
         server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5))
-        with stop_signals_raise():
-            try:
-                server.run(sockets=[sock])
-            except (KeyboardInterrupt, StopSignal) as stop:
-                name = "SIGINT" if isinstance(stop, KeyboardInterrupt) else str(stop)
-                print(
-                    f"phalanx serve: stopped by {name}; shutting the replica down",
-                    file=sys.stderr,
-                    flush=True,
-                )
+        try:  # uvicorn drains, then re-raises the signal it stopped on (the CLI's StopSignal)
+            server.run(sockets=[sock])
+        except (KeyboardInterrupt, StopSignal) as stop:
+            name = "SIGINT" if isinstance(stop, KeyboardInterrupt) else str(stop)
+            print(
+                f"phalanx serve: stopped by {name}; shutting the replica down",
+                file=sys.stderr,
+                flush=True,
+            )
     return 0

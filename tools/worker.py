@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 
@@ -59,6 +60,9 @@ def run(args: argparse.Namespace) -> int:
     from worker.config import WorkerConfig, WorkerLimits
     from worker.main import run_worker
 
+    # A rank started by torchrun or SLURM dies of SIGTERM, as those launchers expect (they follow
+    # it with SIGKILL): unwinding one mid-collective could hang its exit.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if not args.coordinator:
         print("phalanx worker: give --coordinator or set PHALANX_COORDINATOR", file=sys.stderr)
         return 2
