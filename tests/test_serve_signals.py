@@ -38,51 +38,22 @@ def test_serve_shuts_the_replica_down_in_order_when_stopped(
     assert "Traceback" not in log and "poisoned" not in log, log[-3000:]
 
 
-@pytest.mark.parametrize(("stop", "code"), [("SIGINT", 130), ("SIGTERM", 143)])
-def test_generate_stopped_shuts_the_replica_down(
-    tiny_model_dir: Path, tmp_path: Path, stop: str, code: int
-) -> None:
-    log_path = tmp_path / "generate.log"
-    argv = [sys.executable, "-m", "tools", "generate", "--model", str(tiny_model_dir), "--tp", "2"]
-    argv += ["--prompt-ids", "1,2,3", "--max-tokens", "2000", "--ignore-eos"]
+def _stop_generate_at(model_dir: Path, log_path: Path, event: str, max_tokens: int, stop: str) -> str:
+    """Runs ``phalanx generate`` at TP 2 in a session of its own, sends ``stop`` to the whole
+    session once ``event`` is logged, and returns the log once it has exited with the shell's
+    code for the signal (130 or 143)."""
+    argv = [sys.executable, "-m", "tools", "generate", "--model", str(model_dir), "--tp", "2"]
+    argv += ["--prompt-ids", "1,2,3", "--max-tokens", str(max_tokens), "--ignore-eos"]
     with log_path.open("w") as log:
         process = subprocess.Popen(
             argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True
         )
         deadline = time.monotonic() + 120
-        while "event='executor serving'" not in log_path.read_text():  # generating now
-            assert process.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
-            time.sleep(0.02)
-        os.killpg(process.pid, signal.Signals[stop])
-        assert process.wait(60) == code
-    text = log_path.read_text()
-    said = "phalanx generate: interrupted" if stop == "SIGINT" else "phalanx generate: stopped by SIGTERM"
-    assert said in text, text[-3000:]
-    assert text.count("event='shutdown'") == 2 and "event='executor shut down'" in text, text[-3000:]
-    assert "Traceback" not in text, text[-3000:]
-
-
-@pytest.mark.parametrize(("stop", "code"), [("SIGINT", 130), ("SIGTERM", 143)])
-def test_generate_stopped_during_startup_stops_its_ranks(
-    tiny_model_dir: Path, tmp_path: Path, stop: str, code: int
-) -> None:
-    log_path = tmp_path / "generate.log"
-    argv = [sys.executable, "-m", "tools", "generate", "--model", str(tiny_model_dir), "--tp", "2"]
-    argv += ["--prompt-ids", "1,2,3", "--max-tokens", "4"]
-    with log_path.open("w") as log:
-        process = subprocess.Popen(
-            argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True
-        )
-        deadline = time.monotonic() + 120
-        while "event='model loaded'" not in log_path.read_text():  # a rank is up, the gate is not open
+        while f"event='{event}'" not in log_path.read_text():
             assert process.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
             time.sleep(0.01)
         os.killpg(process.pid, signal.Signals[stop])
-        assert process.wait(60) == code
-    text = log_path.read_text()
-    said = "phalanx generate: interrupted" if stop == "SIGINT" else "phalanx generate: stopped by SIGTERM"
-    assert said in text and "event='startup stopped'" in text, text[-3000:]
-    assert "Traceback" not in text and "startup failed" not in text, text[-3000:]
+        assert process.wait(60) == {"SIGINT": 130, "SIGTERM": 143}[stop]
     deadline = time.monotonic() + 10
     while True:  # no rank outlives its coordinator's stop
         try:
@@ -91,6 +62,25 @@ def test_generate_stopped_during_startup_stops_its_ranks(
             break
         assert time.monotonic() < deadline, "a rank was still running 10 s after generate exited"
         time.sleep(0.05)
+    text = log_path.read_text()
+    said = "phalanx generate: interrupted" if stop == "SIGINT" else "phalanx generate: stopped by SIGTERM"
+    assert said in text and "Traceback" not in text, text[-3000:]
+    return text
+
+
+@pytest.mark.parametrize("stop", ["SIGINT", "SIGTERM"])
+def test_generate_stopped_shuts_the_replica_down(tiny_model_dir: Path, tmp_path: Path, stop: str) -> None:
+    text = _stop_generate_at(tiny_model_dir, tmp_path / "generate.log", "executor serving", 2000, stop)
+    assert text.count("event='shutdown'") == 2 and "event='executor shut down'" in text, text[-3000:]
+
+
+@pytest.mark.parametrize("stop", ["SIGINT", "SIGTERM"])
+def test_generate_stopped_during_startup_stops_its_ranks(
+    tiny_model_dir: Path, tmp_path: Path, stop: str
+) -> None:
+    # A rank has loaded its weights; the startup gate is not open yet.
+    text = _stop_generate_at(tiny_model_dir, tmp_path / "generate.log", "model loaded", 4, stop)
+    assert "event='startup stopped'" in text and "startup failed" not in text, text[-3000:]
 
 
 _RANK_STUCK_IN_A_CALL = """
