@@ -22,7 +22,7 @@ def _exit_when_orphaned(parent_pid: int) -> None:
             os._exit(4)
 
 
-def _leave_after_sigterm(grace_s: float) -> None:
+def _leave_after_sigterm(grace_s: float, rank: int | None = None) -> None:
     """On SIGTERM, exit ``grace_s`` later (code 143) unless the rank has left by then.
 
     A service manager stopping a unit (systemd's default ``KillMode=control-group``) sends SIGTERM
@@ -40,8 +40,12 @@ def _leave_after_sigterm(grace_s: float) -> None:
             pass
         import structlog
 
+        # This thread has no bound log context, so it names the rank itself.
         structlog.get_logger("phalanx.worker").warning(
-            "SIGTERM: leaving unless the coordinator stops this rank first", grace_s=grace_s, pid=os.getpid()
+            "SIGTERM: leaving unless the coordinator stops this rank first",
+            rank=rank,
+            grace_s=grace_s,
+            pid=os.getpid(),
         )
         time.sleep(grace_s)
         os._exit(128 + signal.SIGTERM)
@@ -68,12 +72,14 @@ def spawn_main(config_json: bytes) -> None:
     them); a rank that died of the signal first would turn an orderly stop into a dead-rank failure.
     For the same reason it outlives a SIGTERM by ``SIGTERM_GRACE_S``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _leave_after_sigterm(SIGTERM_GRACE_S)
-    threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
     from worker.config import decode_config
+
+    config = decode_config(config_json)
+    _leave_after_sigterm(SIGTERM_GRACE_S, config.rank)
+    threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
     from worker.main import run_worker
 
-    code = run_worker(decode_config(config_json))
+    code = run_worker(config)
     _deliver_last_frames()
     sys.stdout.flush()
     sys.stderr.flush()
