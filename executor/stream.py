@@ -10,10 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 
 from executor.events import Event, is_final
+
+# A sync reader waits in slices this long. A signal (Ctrl-C, SIGTERM) that the kernel hands to
+# another thread does not interrupt a lock's wait in the main thread, and Python runs the
+# handler only when the main thread gets back to it: within a slice, not when the next event
+# comes (which may be never, or after the ranks' grace has run out).
+WAIT_SLICE_S = 0.2
 
 
 class RequestStream:
@@ -74,11 +81,14 @@ class RequestStream:
 
     def next_event(self, timeout: float | None = None) -> Event:
         """Block for the next event; raises StopIteration after the final one, TimeoutError on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._ready:
             event = self._take()
             while event is None:
-                if not self._ready.wait(timeout):
+                wait = WAIT_SLICE_S if deadline is None else min(WAIT_SLICE_S, deadline - time.monotonic())
+                if wait <= 0:
                     raise TimeoutError(f"no event for request {self.request_id} within {timeout} s")
+                self._ready.wait(wait)
                 event = self._take()
             return event
 
