@@ -99,13 +99,11 @@ def launch_executor(config: ExecutorConfig) -> Executor:
         capacity = run_startup_gate(link, epoch, config.startup_timeout, dist_init_method, backend)
     except BaseException as exc:
         stopped = not isinstance(exc, Exception)  # Ctrl-C or SIGTERM: the caller reports the stop
-        if stopped:
-            log.info("startup stopped", by=type(exc).__name__)
-        else:
-            log.error("startup failed", error=str(exc))
         if stopped:  # nothing a starting rank holds is worth waiting for
+            log.info("startup stopped", by=type(exc).__name__)
             link.kill_all(reason=f"the coordinator was stopped ({type(exc).__name__})", epoch=epoch)
         else:
+            log.error("startup failed", error=str(exc))
             link.stop_all(grace_s=5.0)
         sock.close()
         if runtime_dir is not None:
