@@ -11,6 +11,7 @@ rank 0's results do not match the step) the engine is poisoned: every open reque
 
 from __future__ import annotations
 
+import atexit
 import numbers
 import queue
 import threading
@@ -131,6 +132,9 @@ class Engine:
         self.poison_reason: str | None = None
         self._stats = self._scheduler.stats()
         self._thread = threading.Thread(target=self._run, name="phalanx-scheduler", daemon=True)
+        # A signal between here and the caller's ``with`` (or any exit that skips shutdown) would
+        # leave the ranks to multiprocessing's exit, which waits out their SIGTERM grace.
+        atexit.register(self.shutdown)
         self._thread.start()
 
     @classmethod
@@ -138,7 +142,12 @@ class Engine:
         cls, config: EngineConfig, launcher: Callable[[EngineConfig], EngineExecutor] = launch
     ) -> Engine:
         """Launch the ranks (blocking until they serve) and start the scheduler thread."""
-        return cls(launcher(config), config.model_dir, config.idle_ping_interval)
+        executor = launcher(config)
+        try:
+            return cls(executor, config.model_dir, config.idle_ping_interval)
+        except BaseException:
+            executor.shutdown()
+            raise
 
     # -- caller API -------------------------------------------------------------------------
 
@@ -162,7 +171,9 @@ class Engine:
         return self._stats
 
     def shutdown(self) -> None:
-        """Stop the scheduler thread, end open requests with an error, shut the ranks down."""
+        """Stop the scheduler thread, end open requests with an error, shut the ranks down
+        (idempotent)."""
+        atexit.unregister(self.shutdown)
         self._inbox.put(_STOP)
         self._thread.join()
         self._executor.shutdown()

@@ -118,7 +118,11 @@ def launch_executor(config: ExecutorConfig) -> Executor:
         error.exit_codes = exit_codes
         raise error from exc
     executor = Executor(config, link, epoch, capacity, model_info, runtime_dir, FIRST_PING_SEQ)
-    if config.cuda_graph:
-        precapture_decode_graphs(executor)
-    log.info("executor serving", world_size=config.tp, capacity=capacity, address=sock.address)
+    try:
+        if config.cuda_graph:
+            precapture_decode_graphs(executor)
+        log.info("executor serving", world_size=config.tp, capacity=capacity, address=sock.address)
+    except BaseException:  # a failed sweep, or Ctrl-C / SIGTERM during it: every rank stopped
+        executor.shutdown()
+        raise
     return executor

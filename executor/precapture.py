@@ -142,8 +142,6 @@ def precapture_decode_graphs(executor: Executor, progress: bool = True) -> Sweep
         return run_precapture_sweep(
             executor.precapture, buckets, timeout_s=executor.config.precapture_timeout, progress=progress
         )
-    except BaseException as exc:  # a failure, or Ctrl-C / SIGTERM during the sweep: stop every rank
+    except ExecutorError as exc:
         executor.shutdown()
-        if isinstance(exc, ExecutorError):
-            raise StartupError(f"decode graph pre-capture failed: {exc}", phase="startup:precapture") from exc
-        raise
+        raise StartupError(f"decode graph pre-capture failed: {exc}", phase="startup:precapture") from exc

@@ -117,3 +117,28 @@ def test_a_rank_stuck_in_a_call_still_leaves_after_the_sigterm_grace() -> None:
     finally:
         process.kill()
         process.wait()
+
+
+_LEAVES_WITHOUT_SHUTDOWN = """
+import sys
+from executor.engine import Engine, EngineConfig
+engine = Engine.start(EngineConfig(model_dir=sys.argv[1], tp=2, kv_pages=64))
+print("started", flush=True)
+sys.exit(0)  # no shutdown: as when a signal lands before the caller's ``with`` takes the engine
+"""
+
+
+def test_an_engine_left_without_shutdown_is_shut_down_at_exit(tiny_model_dir: Path) -> None:
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", _LEAVES_WITHOUT_SHUTDOWN, str(tiny_model_dir)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    text = done.stdout + done.stderr
+    assert done.returncode == 0 and "started" in text, text[-3000:]
+    assert text.count("event='shutdown'") == 2 and "event='executor shut down'" in text, text[-3000:]
+    assert "SIGTERM: leaving" not in text, text[-3000:]  # nobody waited out the ranks' grace
+    assert time.monotonic() - started < 60
