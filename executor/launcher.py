@@ -108,9 +108,9 @@ def launch_executor(config: ExecutorConfig) -> Executor:
         sock.close()
         if runtime_dir is not None:
             runtime_dir.remove()
-        exit_codes = {rank.rank: rank.exitcode for rank in ranks}
         if stopped:
             raise
+        exit_codes = {rank.rank: rank.exitcode for rank in ranks}
         if isinstance(exc, StartupError):
             exc.exit_codes = exit_codes
             raise
@@ -122,7 +122,7 @@ def launch_executor(config: ExecutorConfig) -> Executor:
         if config.cuda_graph:
             precapture_decode_graphs(executor)
         log.info("executor serving", world_size=config.tp, capacity=capacity, address=sock.address)
-    except BaseException:  # a failed sweep, or Ctrl-C / SIGTERM during it: every rank stopped
+    except BaseException:  # a failed sweep (StartupError), or Ctrl-C / SIGTERM during it
         executor.shutdown()
         raise
     return executor

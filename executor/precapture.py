@@ -135,13 +135,12 @@ def run_precapture_sweep(
 
 def precapture_decode_graphs(executor: Executor, progress: bool = True) -> SweepReport:
     """The launcher's step after startup in graph mode: sweep every bucket up to
-    ``bucket_for(effective max_slots)`` on every rank. On failure every rank is stopped and a
-    StartupError names the phase."""
+    ``bucket_for(effective max_slots)`` on every rank. A failure is raised as a StartupError that
+    names the phase; the launcher stops every rank on any way out of it."""
     buckets = buckets_up_to(executor.capacity.max_slots)
     try:
         return run_precapture_sweep(
             executor.precapture, buckets, timeout_s=executor.config.precapture_timeout, progress=progress
         )
     except ExecutorError as exc:
-        executor.shutdown()
         raise StartupError(f"decode graph pre-capture failed: {exc}", phase="startup:precapture") from exc
