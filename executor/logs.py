@@ -45,7 +45,7 @@ def configure_logging(level: str = "info") -> None:
             ),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
-        logger_factory=structlog.PrintLoggerFactory(_CurrentStderr()),
+        logger_factory=structlog.WriteLoggerFactory(_CurrentStderr()),  # one write per line
     )
     _configured = True
 

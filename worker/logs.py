@@ -19,7 +19,7 @@ def configure_logging(rank: int, epoch: int, level: str = "info") -> None:
             ),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        logger_factory=structlog.WriteLoggerFactory(sys.stderr),  # one write per line: ranks share stderr
         cache_logger_on_first_use=False,
     )
     structlog.contextvars.clear_contextvars()
