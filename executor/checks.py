@@ -4,7 +4,7 @@ coordinator can prove the command wrong without asking any rank."""
 from __future__ import annotations
 
 from executor.errors import StepRejected
-from protocol.messages import Capacity, DecodeRow, DropRequest, PrefillChunk
+from protocol.messages import FED_TOKEN, Capacity, DecodeRow, DropRequest, PrefillChunk
 from protocol.packing import unpack_ids
 
 
@@ -80,9 +80,10 @@ def check_decode(rows: list[DecodeRow], capacity: Capacity, vocab_size: int, op:
         if row.slot in slots:
             raise StepRejected(f"{op} has two rows in slot {row.slot}")
         slots.add(row.slot)
-        if not 0 <= row.token < vocab_size:
+        if not (0 <= row.token < vocab_size or row.token == FED_TOKEN):
             raise StepRejected(
-                f"{op} row of request {row.request_id} has token {row.token} outside 0..{vocab_size - 1}"
+                f"{op} row of request {row.request_id} has token {row.token} outside 0..{vocab_size - 1} "
+                f"(or FED_TOKEN {FED_TOKEN})"
             )
         if row.position < 0:
             raise StepRejected(f"{op} row of request {row.request_id} has negative position {row.position}")

@@ -58,6 +58,8 @@ class EngineConfig:
     step_timeout: float = 300.0
     startup_timeout: float = 120.0
     cuda_graph: bool = False
+    # Send each decode step before reading the last one's result (executor.scheduler).
+    pipeline: bool = True
     transport: str = "ipc"
     idle_ping_interval: float = 5.0  # an idle engine pings the ranks this often, to notice a dead one
     executor_options: dict[str, Any] = field(default_factory=dict)  # further ExecutorConfig fields
@@ -109,7 +111,12 @@ _STOP = object()
 
 class Engine:
     def __init__(
-        self, executor: EngineExecutor, model_dir: str | Path = "", idle_ping_interval: float = 5.0
+        self,
+        executor: EngineExecutor,
+        model_dir: str | Path = "",
+        idle_ping_interval: float = 5.0,
+        *,
+        pipeline: bool = False,
     ) -> None:
         self._executor = executor
         self._idle_ping_interval = idle_ping_interval
@@ -123,7 +130,7 @@ class Engine:
             model_name=Path(model_dir).name or "model",
             model_dir=str(model_dir),
         )
-        self._scheduler = Scheduler(executor, self.model_info.eos_token_ids)
+        self._scheduler = Scheduler(executor, self.model_info.eos_token_ids, pipeline=pipeline)
         self._ids = RequestIds()
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -144,7 +151,7 @@ class Engine:
         """Launch the ranks (blocking until they serve) and start the scheduler thread."""
         executor = launcher(config)
         try:
-            return cls(executor, config.model_dir, config.idle_ping_interval)
+            return cls(executor, config.model_dir, config.idle_ping_interval, pipeline=config.pipeline)
         except BaseException:
             executor.shutdown()
             raise

@@ -1,16 +1,19 @@
-"""The executor: one synchronous call per step, from the scheduler's thread.
+"""The executor: one call per step, from the scheduler's thread.
 
 Each call checks the command structurally (StepRejected, no poison), sends one envelope with the
 next seq to every rank, collects exactly ``world_size`` replies within the step timeout and
-validates them. The first Failed reply, a dead rank, a timeout or an invalid reply set poisons
-the executor: every rank is killed and reaped, and every later call raises ExecutorPoisoned
-with the first reason.
+validates them. A decode may be split in two (``send_decode``, then ``collect_decode``) so that
+the next step is on its way before this one's result is read (pipelined decode): replies that
+arrive for a step still in flight are kept for its collection. The first Failed reply, a dead
+rank, a timeout or an invalid reply set poisons the executor: every rank is killed and reaped,
+and every later call raises ExecutorPoisoned with the first reason.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NoReturn, TypeVar
 
 import structlog
@@ -52,6 +55,16 @@ log = structlog.get_logger("phalanx.executor")
 T = TypeVar("T")
 
 
+@dataclass(frozen=True)
+class InFlight:
+    """A command sent to every rank whose replies are not collected yet."""
+
+    op: str
+    seq: int
+    timeout: float
+    deadline: float
+
+
 class Executor:
     def __init__(
         self,
@@ -73,6 +86,7 @@ class Executor:
         self._seq = first_seq
         self._poison = Poison()
         self._closed = False
+        self._collections: dict[int, StepCollection] = {}  # seq -> replies of a step in flight
 
     @property
     def poison_reason(self) -> str | None:
@@ -104,9 +118,16 @@ class Executor:
         return self._validated(lambda: responses.validate_prefill(replies, self.world_size))
 
     def decode(self, rows: list[DecodeRow]) -> DecodeDone:
+        return self.collect_decode(self.send_decode(rows))
+
+    def send_decode(self, rows: list[DecodeRow]) -> InFlight:
+        """Send a decode step without waiting for it; ``collect_decode`` reads its result."""
         self._poison.ensure_healthy()
         checks.check_decode(rows, self.capacity, self.model_info.vocab_size)
-        replies = self._step("decode", Decode(rows))
+        return self._send("decode", Decode(rows))
+
+    def collect_decode(self, step: InFlight) -> DecodeDone:
+        replies = self._collect(step)
         return self._validated(lambda: responses.validate_decode(replies, self.world_size))
 
     def unified(self, chunks: list[PrefillChunk], rows: list[DecodeRow]) -> UnifiedDone:
@@ -167,6 +188,9 @@ class Executor:
             self._fail(str(exc))
 
     def _step(self, op: str, body: Command, timeout: float | None = None) -> list[ReplyEnvelope]:
+        return self._collect(self._send(op, body, timeout))
+
+    def _send(self, op: str, body: Command, timeout: float | None = None) -> InFlight:
         self._poison.ensure_healthy()
         if self._closed and op != "shutdown":
             raise ExecutorError(f"{op} called after shutdown")
@@ -174,21 +198,27 @@ class Executor:
         seq = self._seq
         bind(self.epoch, seq)
         timeout = self.config.step_timeout if timeout is None else timeout
+        self._collections[seq] = StepCollection(op, seq, self.world_size)
         try:
             self._link.broadcast(encode(Envelope(PROTOCOL_VERSION, self.epoch, seq, body)))
         except DispatchError as exc:
             self._fail(f"failed to dispatch {op} to rank {exc.rank}: {exc.error}")
-        collection = StepCollection(op, seq, self.world_size)
-        deadline = time.monotonic() + timeout
+        return InFlight(op, seq, timeout, time.monotonic() + timeout)
+
+    def _collect(self, step: InFlight) -> list[ReplyEnvelope]:
+        """Exactly ``world_size`` replies to ``step``; replies to other steps in flight are kept."""
+        self._poison.ensure_healthy()
+        op, collection = step.op, self._collections[step.seq]
+        bind(self.epoch, step.seq)
         while not collection.done:
-            remaining = deadline - time.monotonic()
+            remaining = step.deadline - time.monotonic()
             if remaining <= 0:
                 self._fail(
-                    f"{op} did not complete within {timeout:g} s: no reply from ranks {collection.missing_ranks()}"
+                    f"{op} did not complete within {step.timeout:g} s: no reply from ranks {collection.missing_ranks()}"
                 )
             try:
                 for _identity, reply in self._link.wait(remaining, self.epoch):
-                    collection.offer(reply)
+                    self._collections.get(reply.seq, collection).offer(reply)
             except RankFailed as exc:
                 killed = self._link.killed_peer(exc.rank)
                 self._fail(str(exc) if killed is None else f"{killed.death(0.0)} during {op}")
@@ -197,4 +227,5 @@ class Executor:
                 dead = self._link.first_death(among=collection.missing_ranks())
                 if dead is not None:
                     self._fail(f"{dead.death(self._link.heartbeat_timeout)} during {op}")
+        del self._collections[step.seq]
         return collection.replies

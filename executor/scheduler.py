@@ -12,6 +12,15 @@ One tick (``step``) runs in this order:
 5. align the artifacts to the rows, decode results first: finished requests are retired (drop
    with compaction) before their last token and finish event are published, then prompt results.
 
+Pipelined decode (``pipeline=True``): while nothing but decoding is to be done (nobody waiting,
+prefilling or cancelled), a Decode is sent without waiting for its result, and each later tick
+sends the next step (its rows ``FED_TOKEN``: the ranks feed what they sampled) before it reads the
+previous one, so the GPU never waits for the round trip. A row whose request reaches its
+``max_tokens`` in the step being read is not continued: that tick reads the step and stops. When a
+request stops on EOS, the step already sent behind it is read too (its token for the finished
+request is discarded), then the finished requests are retired; any other need (a new request, a
+cancellation) waits for the step in flight, at most one step.
+
 The scheduler is single-threaded: the engine calls ``add``, ``cancel`` and ``step`` from its
 scheduler thread only.
 """
@@ -22,7 +31,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol, cast
 
 import structlog
 
@@ -31,6 +40,7 @@ from executor.pages import PagePool, pages_for_tokens
 from executor.requests import Phase, Request
 from executor.slots import DenseSlots
 from protocol.messages import (
+    FED_TOKEN,
     Capacity,
     DecodeDone,
     DecodeRow,
@@ -59,6 +69,20 @@ class StepExecutor(Protocol):
     def unified(self, chunks: list[PrefillChunk], rows: list[DecodeRow]) -> UnifiedDone: ...
 
     def drop(self, request_id: int, expectation: Expectation, move: SlotMove | None = None) -> None: ...
+
+
+class PipelinedExecutor(StepExecutor, Protocol):
+    """An executor that can have a decode in flight while it sends the next (``pipeline=True``)."""
+
+    def send_decode(self, rows: list[DecodeRow]) -> Any: ...
+
+    def collect_decode(self, step: Any) -> DecodeDone: ...
+
+
+@dataclass
+class _InFlight:
+    rows: list[DecodeRow]
+    handle: Any  # the executor's token for collecting the step
 
 
 class ArtifactError(RuntimeError):
@@ -106,7 +130,12 @@ def token_event(result: TokenResult) -> TokenEvent:
 
 class Scheduler:
     def __init__(
-        self, executor: StepExecutor, eos_token_ids: Sequence[int], *, max_batch_tokens: int | None = None
+        self,
+        executor: StepExecutor,
+        eos_token_ids: Sequence[int],
+        *,
+        max_batch_tokens: int | None = None,
+        pipeline: bool = False,
     ) -> None:
         capacity = executor.capacity
         self.executor = executor
@@ -120,6 +149,12 @@ class Scheduler:
         self.requests: dict[int, Request] = {}
         self.steps = 0
         self.last_step_seconds = 0.0
+        if pipeline and not all(hasattr(executor, name) for name in ("send_decode", "collect_decode")):
+            raise TypeError(
+                f"pipelined decode needs send_decode and collect_decode; {type(executor).__name__} has not"
+            )
+        self.pipeline = pipeline
+        self._in_flight: _InFlight | None = None  # pipelined: a decode sent, its result not read
 
     # -- intake -----------------------------------------------------------------------------
 
@@ -142,7 +177,7 @@ class Scheduler:
             request.cancelled = True
 
     def has_work(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or self._in_flight is not None
 
     def open_requests(self) -> list[Request]:
         return list(self.requests.values())
@@ -162,7 +197,12 @@ class Scheduler:
     # -- one tick ---------------------------------------------------------------------------
 
     def step(self) -> bool:
-        """Run one tick; returns whether a step command was dispatched."""
+        """Run one tick; returns whether a step command was dispatched (or read)."""
+        if self._in_flight is not None:
+            started = time.perf_counter()
+            self._continue_pipeline(self._in_flight)
+            self.last_step_seconds = time.perf_counter() - started
+            return True
         self._retire_cancelled()
         self._admit()
         rows = self._plan_decode()
@@ -183,6 +223,11 @@ class Scheduler:
         if rows and chunks:
             done = self.executor.unified(chunks, rows)
             decoded, prefilled = done.decode, done.prefill
+        elif rows and self.pipeline and self._only_decoding():
+            self._in_flight = _InFlight(rows, self._pipelined.send_decode(rows))
+            self.steps += 1
+            self.last_step_seconds = time.perf_counter() - started
+            return True
         elif rows:
             decoded = self.executor.decode(rows).results
         else:
@@ -193,6 +238,53 @@ class Scheduler:
         self.steps += 1
         self.last_step_seconds = time.perf_counter() - started
         return True
+
+    # -- pipelined decode -------------------------------------------------------------------
+
+    def _only_decoding(self) -> bool:
+        """Nothing but decode to do: a step may be sent before the last one is read."""
+        return not (self.waiting or self.prefilling or self.ready) and not any(
+            request.cancelled for request in self.requests.values()
+        )
+
+    def _continued(self, row: DecodeRow) -> DecodeRow | None:
+        """The row's next step, fed from the ranks, unless its request ends at this one by length."""
+        request = self.requests[row.request_id]
+        if len(request.output) + 1 >= request.params.max_tokens:
+            return None
+        position = row.position + 1
+        return DecodeRow(
+            request_id=row.request_id,
+            slot=row.slot,
+            token=FED_TOKEN,
+            position=position,
+            page_ids=pack_ids(request.pages[: pages_for_tokens(position + 1, self.pages.page_size)]),
+            sampling=row.sampling,
+        )
+
+    @property
+    def _pipelined(self) -> PipelinedExecutor:
+        return cast(PipelinedExecutor, self.executor)
+
+    def _continue_pipeline(self, current: _InFlight) -> None:
+        """Send the step after ``current`` (when nothing else is to be done), then read ``current``."""
+        executor = self._pipelined
+        following = None
+        if self._only_decoding():
+            rows = [self._continued(row) for row in current.rows]
+            if all(row is not None for row in rows):
+                following = _InFlight(rows, executor.send_decode(rows))
+                self.steps += 1
+        finished = self._take_decode("decode", current.rows, executor.collect_decode(current.handle).results)
+        self._in_flight = following if following is not None and not finished else None
+        if following is not None and finished:
+            # The step behind carries the finished requests: read it before they are dropped.
+            ended = {request.request_id for _, request, _, _ in finished}
+            results = executor.collect_decode(following.handle).results
+            aligned = align_results("decode", results, [row.request_id for row in following.rows])
+            rows = [row for row in following.rows if row.request_id not in ended]
+            finished += self._take_decode("decode", rows, [aligned[row.request_id] for row in rows])
+        self._retire_finished(finished)
 
     def _slots_reserved(self) -> int:
         return len(self.slots) + len(self.ready) + len(self.prefilling)
@@ -268,6 +360,13 @@ class Scheduler:
                     f"invalid {op} artifact set: {len(results)} decode results for no decode rows"
                 )
             return
+        self._retire_finished(self._take_decode(op, rows, results))
+
+    def _take_decode(
+        self, op: str, rows: list[DecodeRow], results: Sequence[TokenResult]
+    ) -> list[tuple[int, Request, TokenEvent, FinishReason]]:
+        """Append each row's token to its request and publish it; returns the requests that
+        finished with it (slot, request, last token, reason), to retire."""
         aligned = align_results(op, results, [row.request_id for row in rows])
         finished: list[tuple[int, Request, TokenEvent, FinishReason]] = []
         for row in rows:
@@ -279,6 +378,9 @@ class Scheduler:
                 request.emit(event)
             else:
                 finished.append((row.slot, request, event, reason))
+        return finished
+
+    def _retire_finished(self, finished: list[tuple[int, Request, TokenEvent, FinishReason]]) -> None:
         # Highest slot first: each retirement then moves as few requests as possible.
         for _, request, event, reason in sorted(finished, key=lambda item: item[0], reverse=True):
             self._retire(request, reason, held=(event,))

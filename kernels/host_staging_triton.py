@@ -17,6 +17,9 @@ The pinned header (int64) carries what changes with every step besides the rows:
   held (valid page ids: kernels read a row's pages only up to its position);
 - ``HEADER_ACK``: set to the sequence number by the last program to finish, after every program's
   reads: once the host sees it, the buffers may be refilled (``worker/graph_inputs.py``).
+
+A row whose staged token is negative (``FED_TOKEN``, a pipelined step) takes its token from the
+device buffer ``fed`` at the row's state slot: the token the previous step sampled there.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ _BLOCK = 128  # page ids a program copies per loop step
 
 @triton.jit
 def _load_staged_kernel(
-    header_ptr, host_rows_ptr, host_table_ptr, rows_ptr, table_ptr, arrivals_ptr, top, max_pages,
+    header_ptr, host_rows_ptr, host_table_ptr, rows_ptr, table_ptr, arrivals_ptr, fed_ptr, top, max_pages,
     SEQ: tl.constexpr, COLUMNS: tl.constexpr, ACK: tl.constexpr, BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
@@ -48,8 +51,12 @@ def _load_staged_kernel(
     # Read now, beside the width: the host wrote it before the replay, and a read over PCIe at
     # the end would add a round trip (~1 µs) to the step's critical path.
     seq = tl.load(header_ptr + SEQ, cache_modifier=".cv")
-    for i in tl.static_range(3):  # tokens, positions, state slots
-        tl.store(rows_ptr + i * top + row, tl.load(host_rows_ptr + i * top + row, cache_modifier=".cv"))
+    token = tl.load(host_rows_ptr + row, cache_modifier=".cv")
+    slot = tl.load(host_rows_ptr + 2 * top + row, cache_modifier=".cv")
+    fed = tl.load(fed_ptr + slot, mask=token < 0, other=0)
+    tl.store(rows_ptr + row, tl.where(token < 0, fed, token))
+    tl.store(rows_ptr + top + row, tl.load(host_rows_ptr + top + row, cache_modifier=".cv"))
+    tl.store(rows_ptr + 2 * top + row, slot)
     offsets = tl.arange(0, BLOCK)
     for first in range(0, columns, BLOCK):
         cols = first + offsets
@@ -70,11 +77,13 @@ def load_staged_triton(
     rows: torch.Tensor,
     table: torch.Tensor,
     arrivals: torch.Tensor,
+    fed: torch.Tensor,
     bucket: int,
 ) -> None:
-    """Copies the first ``bucket`` columns of ``host_rows`` [3, top] into ``rows`` [3, top] and the
-    compact ``[bucket, header[HEADER_COLUMNS]]`` page table at the start of ``host_table`` into
-    ``table`` [top, max_pages], then acknowledges ``header[HEADER_SEQ]`` in ``header[HEADER_ACK]``.
+    """Copies the first ``bucket`` columns of ``host_rows`` [3, top] into ``rows`` [3, top] (a
+    negative token replaced by ``fed`` [slots] at the row's slot) and the compact
+    ``[bucket, header[HEADER_COLUMNS]]`` page table at the start of ``host_table`` into ``table``
+    [top, max_pages], then acknowledges ``header[HEADER_SEQ]`` in ``header[HEADER_ACK]``.
     ``arrivals`` is an int32 counter on the device, zero between launches."""
     top, max_pages = rows.shape[1], table.shape[1]
     if host_rows.shape != rows.shape or not rows.is_contiguous() or not table.is_contiguous():
@@ -85,7 +94,7 @@ def load_staged_triton(
     if not 1 <= bucket <= top or table.shape[0] != top:
         raise ValueError(f"staging bucket {bucket} outside 1..{top} or table rows {table.shape[0]} != {top}")
     _load_staged_kernel[(bucket,)](
-        header, host_rows, host_table, rows, table, arrivals, top, max_pages,
+        header, host_rows, host_table, rows, table, arrivals, fed, top, max_pages,
         SEQ=HEADER_SEQ, COLUMNS=HEADER_COLUMNS, ACK=HEADER_ACK, BLOCK=_BLOCK, USE_PDL=pdl_enabled(),
         num_warps=1,
     )  # fmt: skip
@@ -97,10 +106,17 @@ def load_staged_ref(
     host_table: torch.Tensor,
     rows: torch.Tensor,
     table: torch.Tensor,
+    fed: torch.Tensor,
     bucket: int,
 ) -> None:
     """What ``load_staged_triton`` does, in torch."""
     columns = int(header[HEADER_COLUMNS])
     rows[:, :bucket].copy_(host_rows[:, :bucket])
+    rows[0, :bucket] = feed_tokens(rows[0, :bucket], rows[2, :bucket], fed)
     table[:bucket, :columns].copy_(host_table[: bucket * columns].view(bucket, columns))
     header[HEADER_ACK] = header[HEADER_SEQ]
+
+
+def feed_tokens(tokens: torch.Tensor, slots: torch.Tensor, fed: torch.Tensor) -> torch.Tensor:
+    """``tokens`` with every negative entry (``FED_TOKEN``) replaced by ``fed`` at its slot."""
+    return torch.where(tokens < 0, fed[slots.clamp(0, fed.shape[0] - 1)], tokens)

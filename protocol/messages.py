@@ -15,6 +15,14 @@ Lifecycle of a rank, as seen on the wire::
 
 Rank 0 is the primary: it samples and returns the token payloads; every other rank answers a
 Prefill/Decode/Unified with Ack. A DropRequest is answered with DropAck by every rank.
+
+Pipelined decode: the coordinator may send the next Decode before it has read the previous one's
+result, so that the GPU never waits for the round trip. Such a step's rows carry ``FED_TOKEN``
+instead of a token: each rank feeds the token that rank 0 sampled for the request in the previous
+command (rank 0 shares it with the other ranks first). Rank 0 answers a Decode once its tokens
+have reached the host, or sooner in the command stream: when the next command arrives first and is
+a Decode, that one is launched before the earlier reply goes out; any other command waits until
+the earlier reply is out. Replies always leave a rank in seq order.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ import enum
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: pipelined decode (FED_TOKEN rows)
 
 # ---------------------------------------------------------------------------------------------
 # Shared pieces
@@ -116,9 +124,15 @@ class PrefillChunk(msgspec.Struct, frozen=True, array_like=True):
     sampling: SamplingParams = SamplingParams()
 
 
+FED_TOKEN = -1
+"""``DecodeRow.token`` of a pipelined step: feed the token sampled for this request by the previous
+command, which must have been a Decode or Unified with a decode row of the request in the same slot."""
+
+
 class DecodeRow(msgspec.Struct, frozen=True, array_like=True):
     """One request's decode step: feed ``token`` at ``position`` from dense slot ``slot``.
 
+    ``token`` is ``FED_TOKEN`` when the coordinator has not read the previous step's result yet.
     On a request's first decode row the worker moves its prefill-owned state into ``slot``.
     """
 

@@ -129,6 +129,10 @@ class RankSocket:
             return None
         return self._framer.open(self.socket.recv_multipart())
 
+    def has_message(self) -> bool:
+        """Whether a payload is waiting (never blocks)."""
+        return bool(self.socket.poll(0))
+
     def close(self, linger_ms: int = 2000) -> None:
         """Close, giving queued replies (a final Failed or Ack) time to leave; the monitor too."""
         if self.monitor is not None:

@@ -5,6 +5,11 @@ checks every command the way a worker does, raising ``RankStateError`` on any mi
 "model" samples a token from a hash of the request's own fed tokens (and seed), so a request's
 output depends only on what the scheduler fed it: if the scheduler misplaces a token, a position
 or a page, the output changes or a check fires.
+
+Pipelined decode (``send_decode`` / ``collect_decode``) is carried out at once and its result held
+until collected. A ``FED_TOKEN`` row must follow a decode of its request in the same slot, and the
+fake refuses any other command while a decode is uncollected: the scheduler reads every step in
+flight before it prefills, drops or runs a unified step.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import hashlib
 from dataclasses import dataclass, field
 
 from protocol.messages import (
+    FED_TOKEN,
     Capacity,
     DecodeDone,
     DecodeRow,
@@ -53,6 +59,10 @@ class FakeRanks:
         self.slot_state: dict[int, _State] = {}
         self.commands: list[tuple[str, object]] = []
         self.fail_on_drop_of: int | None = None
+        self._fed_from: dict[int, int] = {}  # request id -> slot of the last command's decode rows
+        self._uncollected: list[int] = []  # handles of pipelined decodes not read yet, oldest first
+        self._results: dict[int, DecodeDone] = {}
+        self.most_in_flight = 0
 
     # -- helpers ----------------------------------------------------------------------------
 
@@ -73,6 +83,11 @@ class FakeRanks:
             if other_id != request_id and set(other.pages) & set(pages):
                 raise RankStateError(f"request {request_id} shares pages with request {other_id}")
         state.pages = pages
+
+    def _not_in_flight(self, op: str) -> None:
+        if self._uncollected:
+            raise RankStateError(f"{op} sent while {len(self._uncollected)} decode steps are uncollected")
+        self._fed_from = {}
 
     def _check_dense(self) -> None:
         occupied = [owner is not None for owner in self.slot_map]
@@ -123,6 +138,12 @@ class FakeRanks:
             elif owner != row.request_id:
                 raise RankStateError(f"slot {row.slot} owned by {owner}, row names {row.request_id}")
             state = self.slot_state[row.request_id]
+            if row.token == FED_TOKEN:
+                if self._fed_from.get(row.request_id) != row.slot:
+                    raise RankStateError(f"request {row.request_id}: fed token without a decode before")
+                row = DecodeRow(
+                    row.request_id, row.slot, state.last_sampled, row.position, row.page_ids, row.sampling
+                )
             if row.token != state.last_sampled or row.position != len(state.fed):
                 raise RankStateError(f"request {row.request_id}: wrong token or position {row.position}")
             self._check_pages(row.request_id, state, unpack_list(row.page_ids), row.position + 1)
@@ -132,18 +153,38 @@ class FakeRanks:
         if len(rows) != sum(owner is not None for owner in self.slot_map):
             raise RankStateError("decode does not cover every occupied slot")
         self._check_dense()
+        self._fed_from = {row.request_id: row.slot for row in rows}
         return results
 
     def prefill(self, chunks: list[PrefillChunk]) -> PrefillDone:
         self.commands.append(("prefill", chunks))
+        self._not_in_flight("prefill")
         return PrefillDone(results=list(reversed(self._prefill(chunks))))
 
     def decode(self, rows: list[DecodeRow]) -> DecodeDone:
+        if self._uncollected:
+            raise RankStateError("a blocking decode sent while decode steps are uncollected")
         self.commands.append(("decode", rows))
         return DecodeDone(results=list(reversed(self._decode(rows))))
 
+    def send_decode(self, rows: list[DecodeRow]) -> int:
+        self.commands.append(("decode", rows))
+        handle = len(self.commands)
+        self._results[handle] = DecodeDone(results=list(reversed(self._decode(rows))))
+        self._uncollected.append(handle)
+        self.most_in_flight = max(self.most_in_flight, len(self._uncollected))
+        return handle
+
+    def collect_decode(self, handle: int) -> DecodeDone:
+        if not self._uncollected or self._uncollected[0] != handle:
+            raise RankStateError(f"decode {handle} collected out of order (in flight: {self._uncollected})")
+        self._uncollected.pop(0)
+        return self._results.pop(handle)
+
     def unified(self, chunks: list[PrefillChunk], rows: list[DecodeRow]) -> UnifiedDone:
         self.commands.append(("unified", (chunks, rows)))
+        if self._uncollected:
+            raise RankStateError("unified sent while decode steps are uncollected")
         if not chunks or not rows:
             raise RankStateError("unified step needs both halves")
         if {c.request_id for c in chunks} & {r.request_id for r in rows}:
@@ -152,6 +193,7 @@ class FakeRanks:
 
     def drop(self, request_id: int, expectation: Expectation, move: SlotMove | None = None) -> None:
         self.commands.append(("drop", (request_id, expectation, move)))
+        self._not_in_flight("drop")
         if request_id == self.fail_on_drop_of:
             raise RankStateError(f"injected drop failure for request {request_id}")
         existed = request_id in self.live_requests()

@@ -115,18 +115,19 @@ def test_two_gloo_ranks_print_the_table_and_match_tp1_logits(
     assert set(report["sweep_s"]) == {"1", "2"} and all(s is not None for s in report["sweep_s"].values())
 
 
-def test_graph_table_sets_the_graph_alone_beside_the_served_step() -> None:
+def test_graph_table_sets_the_graph_alone_and_the_pipelined_step_beside_the_served_step() -> None:
     from tools.bench_decode import Row
     from tools.bench_decode_graph import graph_table
 
     graph = [
-        Row(1, 2.42, 413.2, 0.808, graph_alone_ms=2.401),
-        Row(64, 5.2, 12307.7, 0.376, graph_alone_ms=5.05),
+        Row(1, 2.42, 413.2, 0.808, graph_alone_ms=2.401, pipelined_ms=2.3925),
+        Row(64, 5.2, 12307.7, 0.376, graph_alone_ms=5.05, pipelined_ms=5.1),
     ]
     eager = [Row(1, 7.5, 133.3, 0.26), Row(64, 13.0, 4923.1, 0.15)]
     table = graph_table(graph, eager).splitlines()
     assert table[0] == (
-        "| batch | step ms | graph alone ms | tokens/s | weight bytes / step time (of 4.3 TB/s) | vs eager |"
+        "| batch | step ms | graph alone ms | pipelined ms | tokens/s | weight bytes / step time (of 4.3 TB/s) "
+        "| vs eager |"
     )
-    assert table[2] == "| 1 | 2.420 | 2.401 | 413 | 80.8% | 3.10x |"
-    assert table[3] == "| 64 | 5.200 | 5.050 | 12308 | 37.6% | 2.50x |"
+    assert table[2] == "| 1 | 2.420 | 2.401 | 2.393 | 413 | 80.8% | 3.10x |"
+    assert table[3] == "| 64 | 5.200 | 5.050 | 5.100 | 12308 | 37.6% | 2.50x |"

@@ -61,8 +61,8 @@ class HeldExecutor:
         self._predicate = None
         self._go.set()
 
-    def _call(self, name: str, *args):
-        result = getattr(self.inner, name)(*args)
+    def _call(self, name: str, *args, method: str = ""):
+        result = getattr(self.inner, method or name)(*args)
         self.commands.append((name, args))
         if self._predicate is not None and self._predicate(name, args):
             self._predicate = None
@@ -75,6 +75,9 @@ class HeldExecutor:
 
     def decode(self, rows):
         return self._call("decode", rows)
+
+    def send_decode(self, rows):  # a pipelined decode: held (if asked) once it is sent
+        return self._call("decode", rows, method="send_decode")
 
     def unified(self, chunks, rows):
         return self._call("unified", chunks, rows)

@@ -58,7 +58,7 @@ def test_prefill_rejections(chunks: list[PrefillChunk], text: str) -> None:
         ([_row(1, 0), _row(2, 1), _row(3, 1)], "decode has 3 rows, exceeding max_slots 2"),
         ([_row(1, 2)], "slot 2 outside 0..1"),
         ([_row(1, 0), _row(2, 0)], "decode has two rows in slot 0"),
-        ([_row(1, token=-1)], "token -1 outside 0..99"),
+        ([_row(1, token=-2)], r"token -2 outside 0..99 \(or FED_TOKEN -1\)"),
         ([_row(1, position=4)], "has 1 pages; 2 are needed for 5 tokens"),
     ],
 )

@@ -9,17 +9,40 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
+from protocol.messages import FED_TOKEN, Decode
+from protocol.trace import read_trace
 from tools.cli import main
 from tools.launch_options import model_dir_problem
 
 
+@pytest.mark.parametrize("pipelined", [True, False], ids=["pipelined", "no-pipeline"])
 def test_generate_with_the_demo_model_at_tp2_matches_transformers(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], pipelined: bool
 ) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     prompt = "The quick brown fox"
-    code = main(["generate", "--tp", "2", "--prompt", prompt, "--max-tokens", "7", "--json"])
+    trace = tmp_path / "generate.trace"
+    flags = [] if pipelined else ["--no-pipeline"]
+    code = main(
+        [
+            "generate",
+            "--tp",
+            "2",
+            "--prompt",
+            prompt,
+            "--max-tokens",
+            "7",
+            "--json",
+            "--record",
+            str(trace),
+            *flags,
+        ]
+    )
     assert code == 0
+    # Pipelined, every decode step after the first feeds the token the ranks sampled.
+    decodes = {e.seq: e.message.body for e in read_trace(trace).entries if isinstance(e.message.body, Decode)}
+    fed = [row.token == FED_TOKEN for _, decode in sorted(decodes.items()) for row in decode.rows]
+    assert len(fed) == 6 and fed == [False] + [pipelined] * 5
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     model_dir = tmp_path / "phalanx" / "tiny-demo"
     assert (model_dir / "config.json").is_file()  # built on first use into the user's cache dir

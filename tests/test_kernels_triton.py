@@ -335,14 +335,19 @@ def check_load_staged() -> dict[str, float]:
     top, max_pages, bucket, columns = 8, 6, 5, 3
     header = torch.tensor([7, columns, 6, 0])  # step 7 staged, step 6 acknowledged
     host_rows = torch.randint(0, 1000, (3, top))
+    host_rows[2] = torch.randperm(top)  # state slots
+    host_rows[0, 1] = host_rows[0, 3] = -1  # FED_TOKEN: rows 1 and 3 feed from their slots
+    fed = torch.arange(2000, 2000 + top)
     host_table = torch.randint(0, 50, (top * max_pages,), dtype=torch.int32)
     rows, table = torch.full((3, top), -1), torch.full((top, max_pages), -1, dtype=torch.int32)
     arrivals = torch.zeros(1, dtype=torch.int32)
     ref_header, ref_rows, ref_table = header.clone(), rows.clone(), table.clone()
-    load_staged_triton(header, host_rows, host_table, rows, table, arrivals, bucket)
-    load_staged_ref(ref_header, host_rows, host_table, ref_rows, ref_table, bucket)
+    load_staged_triton(header, host_rows, host_table, rows, table, arrivals, fed, bucket)
+    load_staged_ref(ref_header, host_rows, host_table, ref_rows, ref_table, fed, bucket)
+    fed_expected = fed[host_rows[2, [1, 3]]]
     return {
         "rows_differ": float(not torch.equal(rows, ref_rows)),
+        "fed_rows_wrong": float(not torch.equal(rows[0, [1, 3]], fed_expected)),
         "table_differs": float(not torch.equal(table, ref_table)),
         "header_differs": float(not torch.equal(header, ref_header) or int(header[HEADER_ACK]) != 7),
         "untouched_differ": float(not (rows[:, bucket:] == -1).all() or not (table[:, columns:] == -1).all()),

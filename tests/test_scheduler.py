@@ -1,6 +1,7 @@
 """Scheduler logic against a test double of the ranks (tests/fake_ranks.py): admission, chunked
 prefill, unified steps, dense slots with compaction, cancellation in every phase, completion held
-until the drop is acknowledged. The real-runtime versions of these live in tests/test_engine*.py."""
+until the drop is acknowledged, pipelined decode. The real-runtime versions of these live in
+tests/test_engine*.py."""
 
 from __future__ import annotations
 
@@ -14,12 +15,22 @@ from executor.pages import PagePool
 from executor.requests import GenerationParams, Phase, Request
 from executor.scheduler import ArtifactError, Scheduler, align_results
 from executor.slots import DenseSlots
-from protocol.messages import Capacity, Expectation, SlotMove, TokenResult
+from protocol.messages import FED_TOKEN, Capacity, Expectation, SlotMove, TokenResult
 
 
-def make(kv_pages: int = 64, page_size: int = 4, max_slots: int = 4, max_batch_tokens: int = 16, eos=(63,)):
+def make(
+    kv_pages: int = 64,
+    page_size: int = 4,
+    max_slots: int = 4,
+    max_batch_tokens: int = 16,
+    eos=(63,),
+    pipeline: bool = False,
+):
     ranks = FakeRanks(Capacity(kv_pages, page_size, max_slots, max_batch_tokens))
-    return ranks, Scheduler(ranks, eos)
+    return ranks, Scheduler(ranks, eos, pipeline=pipeline)
+
+
+pipelined = pytest.mark.parametrize("pipeline", [False, True], ids=["blocking", "pipelined"])
 
 
 class Sink:
@@ -78,7 +89,8 @@ def random_workload(rng: random.Random, count: int) -> list[tuple[list[int], dic
     return work
 
 
-def test_batched_requests_match_each_alone() -> None:
+@pipelined
+def test_batched_requests_match_each_alone(pipeline: bool) -> None:
     work = random_workload(random.Random(0), 16)
     alone = []
     for prompt, params in work:
@@ -86,7 +98,7 @@ def test_batched_requests_match_each_alone() -> None:
         _, sink = submit(sched, prompt, **params)
         run(sched)
         alone.append(sink.tokens)
-    ranks, sched = make(kv_pages=24, max_slots=4, max_batch_tokens=8)
+    ranks, sched = make(kv_pages=24, max_slots=4, max_batch_tokens=8, pipeline=pipeline)
     sinks = [submit(sched, prompt, **params)[1] for prompt, params in work]
     run(sched)
     assert [sink.tokens for sink in sinks] == alone
@@ -134,20 +146,22 @@ def test_retirement_compacts_the_last_slot_into_the_hole() -> None:
     assert_pools_full(ranks, sched)
 
 
-def test_several_retirements_in_one_step() -> None:
-    ranks, sched = make(max_slots=5)
+@pipelined
+def test_several_retirements_in_one_step(pipeline: bool) -> None:
+    ranks, sched = make(max_slots=5, pipeline=pipeline)
     requests = [submit(sched, [i], max_tokens=m, ignore_eos=True) for i, m in enumerate([3, 2, 5, 2, 2])]
     run(sched)
     assert [sink.finish.completion_tokens for _, sink in requests] == [3, 2, 5, 2, 2]
     assert_pools_full(ranks, sched)
 
 
-def test_eos_stops_unless_ignored() -> None:
+@pipelined
+def test_eos_stops_unless_ignored(pipeline: bool) -> None:
     ranks, sched = make()
     _, probe = submit(sched, [5, 6, 7], max_tokens=4, ignore_eos=True)
     run(sched)
     eos = probe.tokens[1]
-    ranks, sched = make(eos=(eos,))
+    ranks, sched = make(eos=(eos,), pipeline=pipeline)
     _, stopped = submit(sched, [5, 6, 7], max_tokens=4)
     _, ignored = submit(sched, [5, 6, 7], max_tokens=4, ignore_eos=True)
     run(sched)
@@ -240,9 +254,10 @@ def test_artifact_alignment_errors() -> None:
         align_results("prefill", [TokenResult(1, 1)], [1, 2])
 
 
-def test_soak_with_random_cancellations_ends_with_full_pools() -> None:
+@pipelined
+def test_soak_with_random_cancellations_ends_with_full_pools(pipeline: bool) -> None:
     rng = random.Random(7)
-    ranks, sched = make(kv_pages=40, max_slots=6, max_batch_tokens=12, eos=(3, 17))
+    ranks, sched = make(kv_pages=40, max_slots=6, max_batch_tokens=12, eos=(3, 17), pipeline=pipeline)
     sinks: list[tuple[Request, Sink]] = []
     for prompt, params in random_workload(rng, 500):
         params["ignore_eos"] = rng.random() < 0.5
@@ -258,6 +273,82 @@ def test_soak_with_random_cancellations_ends_with_full_pools() -> None:
     for request, sink in sinks:
         assert sum(isinstance(e, FinishEvent) for e in sink.events) == 1
         assert len(sink.tokens) == sink.finish.completion_tokens <= request.params.max_tokens
+
+
+def test_pipelined_decode_sends_each_step_before_reading_the_last() -> None:
+    _, sched = make()
+    _, alone = submit(sched, [4, 5], max_tokens=12, ignore_eos=True)
+    run(sched)
+    ranks, sched = make(pipeline=True)
+    request, sink = submit(sched, [4, 5], max_tokens=12, ignore_eos=True)
+    run(sched)
+    assert sink.tokens == alone.tokens and sink.finish.reason == "length"
+    decodes = [rows for kind, rows in ranks.commands if kind == "decode"]
+    # The first decode feeds the prefill's token; every later one is sent before the one ahead
+    # of it is read, so it feeds what the ranks sampled. The last step is never continued.
+    assert [row.token == FED_TOKEN for (row,) in decodes] == [False] + [True] * 10
+    assert [row.position for (row,) in decodes] == list(range(2, 13))
+    assert ranks.most_in_flight == 2
+    assert ranks.commands[-1] == ("drop", (request.request_id, Expectation.MUST_EXIST, None))
+    assert_pools_full(ranks, sched)
+
+
+def test_pipelined_eos_reads_the_step_behind_and_discards_its_token() -> None:
+    _, sched = make()
+    _, probe = submit(sched, [8, 9], max_tokens=10, ignore_eos=True)
+    _, other = submit(sched, [1], max_tokens=10, ignore_eos=True)
+    run(sched)
+    eos = probe.tokens[4]
+    ranks, sched = make(eos=(eos,), pipeline=True)
+    stopped, stopped_sink = submit(sched, [8, 9], max_tokens=10)
+    _, going = submit(sched, [1], max_tokens=10, ignore_eos=True)
+    run(sched)
+    assert stopped_sink.tokens == probe.tokens[:5] and stopped_sink.finish.reason == "stop"
+    assert going.tokens == other.tokens and going.finish.reason == "length"
+    # The step after the EOS still carried the stopped request; then it was dropped.
+    decodes = [rows for kind, rows in ranks.commands if kind == "decode"]
+    fed_stopped = [row.position for rows in decodes for row in rows if row.request_id == stopped.request_id]
+    assert fed_stopped == [2, 3, 4, 5, 6]  # positions 2..5 made its tokens 2..5; position 6 was discarded
+    assert_pools_full(ranks, sched)
+
+
+def test_a_new_request_waits_for_the_step_in_flight_only() -> None:
+    ranks, sched = make(pipeline=True)
+    _, first = submit(sched, [1, 2], max_tokens=20, ignore_eos=True)
+    for _ in range(4):
+        sched.step()
+    assert ranks.commands[-1][0] == "decode" and ranks.most_in_flight == 2
+    _, second = submit(sched, [3], max_tokens=3, ignore_eos=True)
+    sent = len(ranks.commands)
+    sched.step()  # reads the step in flight, sends nothing
+    assert len(ranks.commands) == sent
+    sched.step()  # a unified step: the new prompt beside the running decode
+    assert ranks.commands[-1][0] == "unified"
+    run(sched)
+    assert len(first.tokens) == 20 and len(second.tokens) == 3
+    assert_pools_full(ranks, sched)
+
+
+def test_pipelined_cancellation_waits_for_the_step_in_flight() -> None:
+    ranks, sched = make(pipeline=True)
+    request, sink = submit(sched, [1, 2], max_tokens=20, ignore_eos=True)
+    for _ in range(5):
+        sched.step()
+    sched.cancel(request.request_id)
+    run(sched)
+    assert sink.finish.reason == "cancelled" and 3 <= len(sink.tokens) < 20
+    assert ranks.commands[-1] == ("drop", (request.request_id, Expectation.MUST_EXIST, None))
+    assert_pools_full(ranks, sched)
+
+
+def test_pipelining_needs_an_executor_that_can_keep_a_step_in_flight() -> None:
+    class Blocking:
+        capacity = Capacity(8, 4, 2, 8)
+
+    with pytest.raises(
+        TypeError, match="^pipelined decode needs send_decode and collect_decode; Blocking has not$"
+    ):
+        Scheduler(Blocking(), (0,), pipeline=True)
 
 
 def test_dense_slots_and_page_pool_bookkeeping() -> None:

@@ -11,6 +11,7 @@ import torch
 from models.qwen35 import Qwen35Model
 from protocol import PROTOCOL_VERSION, decode_reply, encode
 from protocol.messages import (
+    FED_TOKEN,
     Ack,
     Decode,
     DecodeDone,
@@ -29,7 +30,7 @@ from protocol.messages import (
 )
 from protocol.packing import pack_ids
 from protocol.transport import CoordinatorSocket, RankSocket, RuntimeDir
-from worker.commands import StepRunner
+from worker.commands import PendingDecode, StepRunner
 from worker.errors import WorkerStateError
 from worker.loop import EXIT_OK, EXIT_POISONED, CommandLoop
 
@@ -188,3 +189,100 @@ def test_state_mismatch_poisons_and_exits(runner: StepRunner) -> None:
         peer.close()
     assert peer.exit_code == EXIT_POISONED
     assert peer.loop.poison_reason == "decode request 7 has no worker state"
+
+
+def _prefilled(model: Qwen35Model, prompts: list[list[int]]) -> tuple[StepRunner, list[int]]:
+    """A fresh rank state with ``prompts`` prefilled (request i + 1 in pages 2i, 2i + 1)."""
+    model.allocate_cache(KV_PAGES + 1, PAGE, 2 * MAX_SLOTS)
+    runner = StepRunner(model, torch.device("cpu"), 0, PAGE, KV_PAGES, MAX_SLOTS, 64)
+    chunks = [_chunk(i + 1, p, 0, [2 * i, 2 * i + 1]) for i, p in enumerate(prompts)]
+    results = runner.prefill(chunks)
+    return runner, [r.token for r in results]
+
+
+def test_fed_rows_decode_the_tokens_sampled_in_the_step_before(model: Qwen35Model) -> None:
+    prompts = [[4, 5], [6, 7, 8]]
+
+    def rows(tokens: list[int], step: int) -> list[DecodeRow]:
+        return [
+            _row(i + 1, i, len(p) + step, [2 * i, 2 * i + 1], token=t)
+            for i, (p, t) in enumerate(zip(prompts, tokens, strict=True))
+        ]
+
+    explicit, tokens = _prefilled(model, prompts)
+    told = []
+    for step in range(3):
+        tokens = [r.token for r in explicit.decode(rows(tokens, step)).results()]
+        told.append(tokens)
+    fed, first = _prefilled(model, prompts)
+    steps = [fed.decode(rows(first, 0))]
+    for step in (1, 2):
+        steps.append(fed.decode(rows([FED_TOKEN] * 2, step)))
+    assert [[r.token for r in s.results()] for s in steps] == told
+
+
+def test_a_fed_row_needs_a_decode_of_its_request_in_the_command_before(model: Qwen35Model) -> None:
+    runner, (token_1, token_2) = _prefilled(model, [[4, 5], [6]])
+    text = "^decode row of request {} feeds the token sampled by the previous command, which did not decode the request in slot {}$"
+    with pytest.raises(WorkerStateError, match=text.format(1, 0)):
+        runner.decode([_row(1, 0, 2, [0, 1], token=FED_TOKEN)])  # the command before was a prefill
+    runner, (token_1, token_2) = _prefilled(model, [[4, 5], [6]])
+    runner.decode([_row(1, 0, 2, [0, 1], token=token_1)]).results()
+    with pytest.raises(WorkerStateError, match=text.format(2, 1)):
+        runner.decode([_row(1, 0, 3, [0, 1], token=FED_TOKEN), _row(2, 1, 1, [2, 3], token=FED_TOKEN)])
+    runner, (token_1, token_2) = _prefilled(model, [[4, 5], [6]])
+    runner.decode([_row(1, 0, 2, [0, 1], token=token_1), _row(2, 1, 1, [2, 3], token=token_2)]).results()
+    assert runner.drop(DropRequest(2, Expectation.MUST_EXIST)) is True
+    with pytest.raises(WorkerStateError, match=text.format(1, 0)):
+        runner.decode([_row(1, 0, 3, [0, 1], token=FED_TOKEN)])  # a drop came between
+
+
+class _HeldStep(PendingDecode):
+    """A real decode step whose tokens count as 'not on the host yet' until ``land`` is set."""
+
+    def __init__(
+        self, step: PendingDecode, seq: int, log: list[tuple[str, int]], land: threading.Event
+    ) -> None:
+        self.__dict__.update(step.__dict__)
+        self._seq, self._log, self._land = seq, log, land
+
+    def ready(self) -> bool:
+        return self._land.is_set()
+
+    def results(self):
+        self._log.append(("reply", self._seq))
+        return super().results()
+
+
+def test_loop_launches_the_next_decode_before_it_answers_the_last(model: Qwen35Model) -> None:
+    runner, (token,) = _prefilled(model, [[4, 5]])
+    log: list[tuple[str, int]] = []
+    land = threading.Event()
+    peer = _Coordinator(runner)
+    seqs = iter(range(1, 100))
+
+    def held_decode(command: Decode) -> PendingDecode:
+        seq = next(seqs)
+        log.append(("launch", seq))
+        return _HeldStep(runner.decode(command.rows), seq, log, land)
+
+    peer.loop.register(Decode, held_decode)
+    try:
+        peer.send(Decode([_row(1, 0, 2, [0, 1], token=token)]), seq=1)
+        assert peer.reply(0.3) is None  # its tokens have not landed, and nothing else came
+        peer.send(Decode([_row(1, 0, 3, [0, 1], token=FED_TOKEN)]), seq=2)
+        first = peer.reply()
+        assert first.seq == 1 and isinstance(first.body, DecodeDone)
+        assert log == [("launch", 1), ("launch", 2), ("reply", 1)]
+        peer.send(Ping(), seq=3)  # not a decode: step 2's reply goes out first
+        second, ping = peer.reply(), peer.reply()
+        assert (second.seq, ping.seq, ping.body) == (2, 3, Ack())
+        peer.send(Decode([_row(1, 0, 4, [0, 1], token=second.body.results[0].token)]), seq=4)
+        assert peer.reply(0.3) is None
+        land.set()  # its tokens land: answered without another command
+        assert peer.reply().seq == 4
+        peer.send(Shutdown(), seq=5)
+        assert peer.reply().body == Ack()
+    finally:
+        peer.close()
+    assert peer.exit_code == EXIT_OK

@@ -7,6 +7,7 @@ import importlib
 
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "decode": ("tools.bench_decode", "decode step time and prefill time on random weights"),
+    "engine": ("tools.bench_engine", "time per output token through the engine, pipelined decode or not"),
     "serve": ("tools.bench_serve", "TTFT / TPOT / ITL against a running server"),
     "roundtrip": ("tools.bench_roundtrip", "protocol round trip to every rank, no model work"),
     "load": ("tools.bench_load", "peak memory of one rank loading its shard"),

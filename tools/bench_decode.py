@@ -229,8 +229,10 @@ class Row:
     step_ms: float
     tokens_per_s: float
     roofline: float
-    # Graph rows: the GPU's own time for the step (``graph_alone_ms``), without the host's share.
+    # Graph rows: the GPU's own time for the step (``graph_alone_ms``), without the host's share,
+    # and a rank's pipelined step (``pipelined_ms``, tools/bench_decode_graph.py).
     graph_alone_ms: float | None = None
+    pipelined_ms: float | None = None
 
 
 def decode_rows(model, batches: list[int], args: argparse.Namespace, device: torch.device) -> list[Row]:

@@ -99,6 +99,7 @@ def _generate(args: argparse.Namespace) -> int:
         device=args.device,
         kv_pages=kv_pages,
         cuda_graph=args.cuda_graph,
+        pipeline=args.pipeline,
         executor_options=executor_options(args),
     )
     with Engine.start(config) as engine:

@@ -25,6 +25,13 @@ def model_dir_problem(model_dir: str | Path) -> str | None:
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--record", help="append every protocol frame to this trace (see phalanx replay)")
     parser.add_argument(
+        "--no-pipeline",
+        dest="pipeline",
+        action="store_false",
+        help="read each decode step's result before sending the next (default: the next step is "
+        "sent first, so the GPU never waits for the round trip)",
+    )
+    parser.add_argument(
         "--attach",
         metavar="tcp://HOST:PORT",
         type=_attach_address,

@@ -136,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
         max_batch_tokens=args.max_batch_tokens,
         step_timeout=args.step_timeout,
         cuda_graph=args.cuda_graph,
+        pipeline=args.pipeline,
         executor_options=executor_options(args),
     )
     try:

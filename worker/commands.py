@@ -2,7 +2,13 @@
 
 Every command is first checked against this rank's state (unknown request, phase, cached
 length, page coverage, slot owner); a mismatch raises WorkerStateError before any model work.
-Rank 0 samples and returns TokenResults; other ranks return None (the loop answers Ack).
+Rank 0 samples and returns TokenResults; other ranks return None (the loop answers Ack). A Decode
+on rank 0 returns its step still in flight (``PendingDecode``): the loop answers it once its tokens
+are on the host, after launching the next Decode if that one arrives first.
+
+Pipelined rows (``FED_TOKEN``) feed the token sampled for their request by the previous command.
+Every rank keeps those tokens on the device, indexed by decode slot (``fed_tokens``): rank 0 writes
+them as it samples; before a step with fed rows, it broadcasts them to the other ranks.
 """
 
 from __future__ import annotations
@@ -12,13 +18,13 @@ from dataclasses import dataclass
 import torch
 
 from models.qwen35 import DecodeBatch, PrefillBatch
-from protocol.messages import DecodeRow, DropRequest, PrefillChunk, TokenResult
+from protocol.messages import FED_TOKEN, DecodeRow, DropRequest, PrefillChunk, TokenResult
 from protocol.packing import unpack_list
 from worker.errors import WorkerStateError
 from worker.faults import fault_point
 from worker.graphs import DecodeGraphRunner
 from worker.request_table import Phase, RequestState, RequestTable
-from worker.sampling import sample
+from worker.sampling import DrawnTokens, draw_tokens, sample
 from worker.slots import SlotTable
 
 
@@ -35,6 +41,24 @@ class _RowPlan:
     row: DecodeRow
     state: RequestState
     pages: list[int]
+
+
+class PendingDecode:
+    """Rank 0's decode step, launched, its tokens on their way to the host."""
+
+    def __init__(self, plans: list[_RowPlan], drawn: DrawnTokens) -> None:
+        self._plans = plans
+        self._drawn = drawn
+
+    def ready(self) -> bool:
+        """Whether ``results`` can return without waiting for the GPU."""
+        return self._drawn.ready()
+
+    def results(self) -> list[TokenResult]:
+        samples = self._drawn.to_host()
+        return [
+            TokenResult(plan.row.request_id, *drawn) for plan, drawn in zip(self._plans, samples, strict=True)
+        ]
 
 
 class StepRunner:
@@ -57,6 +81,15 @@ class StepRunner:
         self.requests = RequestTable(max_slots)
         self.slots = SlotTable(max_slots)
         self.graphs: DecodeGraphRunner | None = None  # set in graph mode (worker.graphs)
+        self._fed_tokens = torch.zeros(max_slots, dtype=torch.int64, device=device)
+        # request id -> decode slot of every decode row of the previous command: the rows a
+        # pipelined step may feed from (empty after any other command).
+        self._fed_from: dict[int, int] = {}
+
+    @property
+    def fed_tokens(self) -> torch.Tensor:
+        """The last token sampled in each decode slot (rank 0 writes it; the others get a copy)."""
+        return self.graphs.inputs.fed_tokens if self.graphs is not None else self._fed_tokens
 
     # -- checks ---------------------------------------------------------------------------------
 
@@ -125,6 +158,11 @@ class StepRunner:
                     f"decode row of request {row.request_id} is at position {row.position} "
                     f"but {state.cached} tokens are cached"
                 )
+            if row.token == FED_TOKEN and self._fed_from.get(row.request_id) != row.slot:
+                raise WorkerStateError(
+                    f"decode row of request {row.request_id} feeds the token sampled by the previous "
+                    f"command, which did not decode the request in slot {row.slot}"
+                )
             if state.phase is Phase.PREFILLED:
                 self.slots.admit(row.slot, row.request_id)
             elif state.decode_slot != row.slot:
@@ -162,33 +200,49 @@ class StepRunner:
             TokenResult(plans[i].chunk.request_id, *drawn) for i, drawn in zip(final, samples, strict=True)
         ]
 
-    def _run_decode(self, plans: list[_RowPlan]) -> list[TokenResult] | None:
+    def _run_decode(self, plans: list[_RowPlan]) -> PendingDecode | None:
         for plan in plans:
             if plan.state.phase is Phase.PREFILLED:
                 self.model.copy_state(plan.state.state_slot, plan.row.slot)
                 self.requests.promote(plan.state, plan.row.slot)
         rows = [(plan.row.token, plan.row.position, plan.row.slot, plan.pages) for plan in plans]
+        fed = any(plan.row.token == FED_TOKEN for plan in plans)
+        if fed:
+            self.model.tp.broadcast_from_first(self.fed_tokens)
+        greedy = None  # every row's argmax, when the graph runner picked it (and fed it) already
         if self.graphs is not None:
             occupied = [slot for slot, owner in enumerate(self.slots.owners) if owner is not None]
             logits = self.graphs.decode(DecodeBatch.build(rows), occupied)
+            slots = self.graphs.inputs.slots[: len(rows)]  # the staged rows' slots, on the device
+            greedy = self.graphs.greedy_tokens()
         else:
-            logits = self.model.decode(DecodeBatch.build(rows, self.device))
+            batch = DecodeBatch.build(rows, self.device)
+            if fed:
+                fed_rows = batch.tokens == FED_TOKEN
+                batch.tokens = torch.where(fed_rows, self.fed_tokens[batch.state_slots], batch.tokens)
+            logits, slots = self.model.decode(batch), batch.state_slots
         for plan in plans:
             plan.state.cached += 1
+        self._fed_from = {plan.row.request_id: plan.row.slot for plan in plans}
         if self.rank != 0:
             return None
-        samples = sample(
-            logits, [plan.row.sampling for plan in plans], [plan.row.position + 1 for plan in plans]
+        drawn = draw_tokens(
+            logits, [plan.row.sampling for plan in plans], [plan.row.position + 1 for plan in plans], greedy
         )
-        return [TokenResult(plan.row.request_id, *drawn) for plan, drawn in zip(plans, samples, strict=True)]
+        if drawn.tokens is not greedy:
+            self.fed_tokens.index_copy_(0, slots, drawn.tokens)
+        return PendingDecode(plans, drawn)
 
     # -- commands -------------------------------------------------------------------------------
 
     def prefill(self, chunks: list[PrefillChunk]) -> list[TokenResult] | None:
         fault_point("prefill", self.rank)
-        return self._run_prefill(self._plan_prefill(chunks))
+        plans = self._plan_prefill(chunks)
+        self._fed_from = {}
+        return self._run_prefill(plans)
 
-    def decode(self, rows: list[DecodeRow]) -> list[TokenResult] | None:
+    def decode(self, rows: list[DecodeRow]) -> PendingDecode | None:
+        """Launches the step; rank 0 gets it back in flight (``PendingDecode.results``)."""
         fault_point("decode", self.rank)
         return self._run_decode(self._plan_decode(rows))
 
@@ -204,14 +258,15 @@ class StepRunner:
         decode_plans = self._plan_decode(rows)
         prefill_plans = self._plan_prefill(chunks)
         prefill_results = self._run_prefill(prefill_plans)
-        decode_results = self._run_decode(decode_plans)
-        if prefill_results is None or decode_results is None:
+        decode_step = self._run_decode(decode_plans)
+        if prefill_results is None or decode_step is None:
             return None
-        return prefill_results, decode_results
+        return prefill_results, decode_step.results()
 
     def drop(self, command: DropRequest) -> bool:
         """Forget a request (and apply the slot compaction); returns whether it existed here."""
         fault_point("drop", self.rank)
+        self._fed_from = {}
         state = self.requests.get(command.request_id)
         if command.move is None:
             if state is not None and state.phase is Phase.DECODING and state.decode_slot is not None:

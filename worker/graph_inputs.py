@@ -6,6 +6,9 @@ staging is on the critical path of every decode step, and a numpy slice assignme
 fraction of a torch op). Padding rows (the bucket's rows past the batch) get token 0, position 0,
 a free state slot and the padding page.
 
+A row staged with a negative token (``FED_TOKEN``, a pipelined step) takes its token on the device
+from ``fed_tokens`` at its state slot, where the previous step's sampled token was written.
+
 Two ways from the host buffers to the device ones:
 
 - **In the graph** (CUDA graphs): the graph's first kernel reads the pinned buffers itself
@@ -26,6 +29,7 @@ from kernels.host_staging_triton import (
     HEADER_COLUMNS,
     HEADER_SEQ,
     HEADER_SIZE,
+    feed_tokens,
     load_staged_triton,
 )
 from models.qwen35 import DecodeBatch
@@ -38,14 +42,22 @@ class DecodeInputs:
     """One rank's static decode buffers for buckets up to ``top`` rows and ``max_pages`` pages a row."""
 
     def __init__(
-        self, top: int, max_pages: int, padding_page: int, device: torch.device, in_graph: bool
+        self,
+        top: int,
+        max_pages: int,
+        padding_page: int,
+        device: torch.device,
+        in_graph: bool,
+        state_slots: int | None = None,
     ) -> None:
+        """``state_slots``: how many state slots rows (padding rows too) may name; ``top`` if None."""
         self.padding_page = padding_page
         self.device = device
         self.in_graph = in_graph
         self.rows = torch.zeros((3, top), dtype=torch.int64, device=device)
         self.tokens, self.positions, self.slots = self.rows.unbind(0)
         self.slots.copy_(torch.arange(top))
+        self.fed_tokens = torch.zeros(state_slots or top, dtype=torch.int64, device=device)
         self.page_table = torch.full((top, max_pages), padding_page, dtype=torch.int32, device=device)
         pin = device.type == "cuda"
         self._host_rows = torch.zeros((3, top), dtype=torch.int64, pin_memory=pin)
@@ -84,6 +96,8 @@ class DecodeInputs:
             self._header_np[HEADER_SEQ] += 1  # last: the step is staged
         else:
             self._copy_to_device(host_table, device_table)
+            if n and host_rows[0, :n].min() < 0:
+                self.tokens[:n] = feed_tokens(self.tokens[:n], self.slots[:n], self.fed_tokens)
         return columns
 
     def stage_padding(self, bucket: int, padding: list[int]) -> None:
@@ -101,6 +115,7 @@ class DecodeInputs:
                 self.rows,
                 self.page_table,
                 self._arrivals,
+                self.fed_tokens,
                 bucket,
             )
 

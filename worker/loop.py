@@ -5,6 +5,12 @@ sequence numbers are dropped, counted and logged, never executed. A command that
 started poisons the rank: the first reason is kept, a ``Failed`` reply goes out, the loop exits
 and the process exits non-zero. The dispatch table maps each command type to a handler; other
 components (the graph runner) register theirs with :meth:`CommandLoop.register`.
+
+Rank 0's Decode reply waits for the step's tokens without blocking the loop: while they are on
+their way, the loop also watches the socket. When the next command arrives first and is a Decode,
+it is launched before the earlier reply is sent, so the GPU has the next step queued while the
+coordinator reads the last one (pipelined decode, ``protocol.messages``); any other command runs
+only after the earlier reply is out. Replies leave in seq order.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from protocol.messages import (
     UnifiedDone,
 )
 from protocol.transport import RankSocket
-from worker.commands import StepRunner
+from worker.commands import PendingDecode, StepRunner
 from worker.errors import WorkerStateError
 from worker.faults import fault_point
 from worker.logs import bind_seq
@@ -57,6 +63,10 @@ EXIT_POISONED = 1
 EXIT_CANCELLED = 3
 
 
+class _Poisoned(Exception):
+    """The loop poisoned the rank (and replied Failed); it exits with EXIT_POISONED."""
+
+
 class CommandLoop:
     def __init__(self, sock: RankSocket, rank: int, epoch: int, runner: StepRunner) -> None:
         self.sock = sock
@@ -66,7 +76,8 @@ class CommandLoop:
         self.last_seq = 0
         self.rejected_frames = 0
         self.poison_reason: str | None = None
-        self.handlers: dict[type, Callable[[Any], Reply]] = {
+        self._pending: tuple[int, PendingDecode] | None = None  # rank 0: a decode not yet answered
+        self.handlers: dict[type, Callable[[Any], Reply | PendingDecode]] = {
             Ping: self._ping,
             Prefill: self._prefill,
             Decode: self._decode,
@@ -76,7 +87,7 @@ class CommandLoop:
             Shutdown: lambda _command: Ack(),
         }
 
-    def register(self, command_type: type, handler: Callable[[Any], Reply]) -> None:
+    def register(self, command_type: type, handler: Callable[[Any], Reply | PendingDecode]) -> None:
         self.handlers[command_type] = handler
 
     # -- handlers -------------------------------------------------------------------------------
@@ -89,9 +100,9 @@ class CommandLoop:
         results = self.runner.prefill(command.chunks)
         return Ack() if results is None else PrefillDone(results)
 
-    def _decode(self, command: Decode) -> Reply:
-        results = self.runner.decode(command.rows)
-        return Ack() if results is None else DecodeDone(results)
+    def _decode(self, command: Decode) -> Reply | PendingDecode:
+        step = self.runner.decode(command.rows)
+        return Ack() if step is None else step
 
     def _unified(self, command: Unified) -> Reply:
         results = self.runner.unified(command.prefill, command.decode)
@@ -117,10 +128,60 @@ class CommandLoop:
         failed = Failed(kind, self.poison_reason, op, traceback.format_exc())
         self._reply(seq, failed)
 
+    def _flush(self) -> None:
+        """Send the pending decode's reply (waiting for its tokens); poisons on failure."""
+        if self._pending is None:
+            return
+        seq, step = self._pending
+        self._pending = None
+        try:
+            reply = DecodeDone(step.results())
+        except Exception as exc:
+            self._poison(seq, "decode", exc)
+            raise _Poisoned from exc
+        self._reply(seq, reply)
+
+    def _next_frame(self) -> bytes:
+        """The next frame; while a decode reply is pending, it goes out as soon as its tokens are
+        on the host, unless a frame arrives first."""
+        while self._pending is not None:
+            try:
+                ready = self._pending[1].ready()
+            except Exception:
+                ready = True  # the reply's wait raises it again, and poisons
+            if ready:
+                self._flush()
+            elif self.sock.has_message():
+                break
+        return self.sock.recv(None)
+
+    def _execute(self, seq: int, op: str, command: Any) -> None:
+        handler = self.handlers.get(type(command))
+        try:
+            if handler is None:
+                raise WorkerStateError(f"{op} is not a command after startup")
+            if not isinstance(command, Decode):
+                self._flush()  # the earlier reply first: this command may depend on it
+            reply = handler(command)
+        except _Poisoned:
+            raise
+        except Exception as exc:
+            self._flush()
+            self._poison(seq, op, exc)
+            raise _Poisoned from exc
+        self._flush()  # a decode launched behind the pending one: now its reply can wait
+        if isinstance(reply, PendingDecode):
+            self._pending = (seq, reply)
+        else:
+            self._reply(seq, reply)
+
     def run(self) -> int:
         while True:
             try:
-                envelope = decode_envelope(self.sock.recv(None), epoch=self.epoch)
+                # The framer's checks (authentication) raise ProtocolError at the receive.
+                envelope = decode_envelope(self._next_frame(), epoch=self.epoch)
+            except _Poisoned:
+                return EXIT_POISONED
             except ProtocolError as exc:
                 self.rejected_frames += 1
                 log.warning(
@@ -139,15 +200,10 @@ class CommandLoop:
             bind_seq(envelope.seq)
             command = envelope.body
             op = OP_NAMES.get(type(command), type(command).__name__.lower())
-            handler = self.handlers.get(type(command))
             try:
-                if handler is None:
-                    raise WorkerStateError(f"{op} is not a command after startup")
-                reply = handler(command)
-            except Exception as exc:
-                self._poison(envelope.seq, op, exc)
+                self._execute(envelope.seq, op, command)
+            except _Poisoned:
                 return EXIT_POISONED
-            self._reply(envelope.seq, reply)
             if isinstance(command, Shutdown):
                 log.info("shutdown")
                 return EXIT_OK

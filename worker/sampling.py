@@ -101,36 +101,90 @@ def _draw(logits: torch.Tensor, params: list[SamplingParams], positions: list[in
     return torch.gather(sorted_ids, -1, index).squeeze(-1)
 
 
+class _Report(NamedTuple):
+    """The logprob report's tensors, still on the device: the chosen tokens' logprobs [rows] and
+    the ``widest`` top ids and logprobs [rows, widest] (None when no row asked for them)."""
+
+    chosen: torch.Tensor
+    top_ids: torch.Tensor | None
+    top_values: torch.Tensor | None
+
+
 def _logprob_report(
     logits: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]
-) -> list[tuple[float | None, list[int] | None, list[float] | None]]:
-    wanted = [p.logprobs for p in params]
-    if all(n is None for n in wanted):
-        return [(None, None, None)] * len(params)
+) -> _Report | None:
+    wanted = [p.logprobs for p in params if p.logprobs is not None]
+    if not wanted:
+        return None
     logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)
-    chosen = torch.gather(logprobs, -1, tokens[:, None]).squeeze(-1).tolist()
-    widest = max(n for n in wanted if n is not None)
-    top_values: list[list[float]] = [[] for _ in params]
-    top_ids: list[list[int]] = [[] for _ in params]
-    if widest > 0:
-        values, ids = torch.sort(logprobs, dim=-1, descending=True, stable=True)
-        top_values = values[:, :widest].tolist()
-        top_ids = ids[:, :widest].tolist()
-    report: list[tuple[float | None, list[int] | None, list[float] | None]] = []
-    for row, n in enumerate(wanted):
-        if n is None:
-            report.append((None, None, None))
-        else:
-            report.append((chosen[row], top_ids[row][:n], top_values[row][:n]))
-    return report
+    chosen = torch.gather(logprobs, -1, tokens[:, None]).squeeze(-1)
+    widest = max(wanted)
+    if widest == 0:
+        return _Report(chosen, None, None)
+    values, ids = torch.sort(logprobs, dim=-1, descending=True, stable=True)
+    return _Report(chosen, ids[:, :widest], values[:, :widest])
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> list[Sample]:
-    """Pick one token per row of ``logits`` [rows, vocab] (any float dtype, CPU or CUDA)."""
+class DrawnTokens:
+    """One step's tokens, picked on the logits' device, on their way to the host.
+
+    ``tokens`` stays on the device (a pipelined next step feeds from it); the copies to the host
+    start at once and ``ready`` says whether they have landed, so a rank can answer a step without
+    blocking on the GPU while another command might arrive (``worker/loop.py``).
+    """
+
+    def __init__(self, tokens: torch.Tensor, report: _Report | None, params: list[SamplingParams]) -> None:
+        self.tokens = tokens
+        self._params = params
+        on_device = tokens.device.type == "cuda"
+        # A non-blocking copy to the CPU lands in pinned memory, in stream order.
+        self._host_tokens = tokens.to("cpu", non_blocking=on_device)
+        self._host_report = None
+        if report is not None:
+            self._host_report = _Report(
+                *(None if t is None else t.to("cpu", non_blocking=on_device) for t in report)
+            )
+        self._copied: torch.cuda.Event | None = None
+        if on_device:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def ready(self) -> bool:
+        return self._copied is None or self._copied.query()
+
+    def to_host(self) -> list[Sample]:
+        """Each row's Sample (waits for the copies)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        tokens = self._host_tokens.tolist()
+        report = self._host_report
+        if report is None:
+            return [Sample(token, None, None, None) for token in tokens]
+        chosen = report.chosen.tolist()
+        rows = len(tokens)
+        top_ids = report.top_ids.tolist() if report.top_ids is not None else [[]] * rows
+        top_values = report.top_values.tolist() if report.top_values is not None else [[]] * rows
+        samples = []
+        for row, (token, p) in enumerate(zip(tokens, self._params, strict=True)):
+            if p.logprobs is None:
+                samples.append(Sample(token, None, None, None))
+            else:
+                n = p.logprobs
+                samples.append(Sample(token, chosen[row], top_ids[row][:n], top_values[row][:n]))
+        return samples
+
+
+def draw_tokens(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    positions: list[int],
+    greedy: torch.Tensor | None = None,
+) -> DrawnTokens:
+    """Pick one token per row of ``logits`` [rows, vocab] (any float dtype, CPU or CUDA), on its
+    device; ``to_host()`` of the result gives each row's Sample. ``greedy``, when given, is every
+    row's argmax already (the decode graph picks it): rows that sample replace theirs in a copy."""
     _validate(logits, params, positions)
-    if logits.shape[0] == 0:
-        return []
-    tokens = _greedy(logits)
+    tokens = _greedy(logits) if greedy is None else greedy
     drawn = [i for i, p in enumerate(params) if p.temperature > 0]
     if drawn:
         index = torch.tensor(drawn, device=logits.device)
@@ -138,8 +192,11 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
         tokens[index] = _draw(
             logits.index_select(0, index), [params[i] for i in drawn], [positions[i] for i in drawn]
         )
-    report = _logprob_report(logits, tokens, params)
-    return [
-        Sample(token, logprob, top_ids, top_logprobs)
-        for token, (logprob, top_ids, top_logprobs) in zip(tokens.tolist(), report, strict=True)
-    ]
+    return DrawnTokens(tokens, _logprob_report(logits, tokens, params), params)
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> list[Sample]:
+    """Pick one token per row of ``logits`` [rows, vocab] (any float dtype, CPU or CUDA)."""
+    if logits.dim() == 2 and logits.shape[0] == 0:
+        return []
+    return draw_tokens(logits, params, positions).to_host()

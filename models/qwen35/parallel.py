@@ -35,6 +35,11 @@ class TensorParallel:
         dist.all_reduce(x)
         return x
 
+    def broadcast_from_first(self, x: torch.Tensor) -> None:
+        """Overwrite x on every rank with rank 0's x."""
+        if self.world_size > 1:
+            dist.broadcast(x, src=0)
+
     def row_parallel_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """all_reduce(x @ w.T) for a weight split along K: on the one-shot path the linear writes
         its partial straight into the symmetric buffer, with no staging copy."""

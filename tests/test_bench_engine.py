@@ -1,0 +1,46 @@
+"""``phalanx bench engine`` on the CPU: a random tiny checkpoint, both decode modes through real
+rank processes, one table, and the same greedy tokens from each mode."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _bench(*args: str) -> subprocess.CompletedProcess[str]:
+    command = [
+        sys.executable,
+        "-m",
+        "tools",
+        "bench",
+        "engine",
+        "--geometry",
+        "tiny",
+        "--device",
+        "cpu",
+        *args,
+    ]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def test_both_modes_time_the_same_tokens() -> None:
+    done = _bench("--batch", "1,2", "--prompt-len", "9", "--output-len", "12")
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    header = lines.index(
+        "| decode | requests | TPOT ms (median) | ITL ms (median) | output tokens/s | first to last token, ms a token |"
+    )
+    rows = [line.split(" | ")[0:2] for line in lines[header + 2 : header + 6]]
+    assert rows == [["| pipelined", "1"], ["| pipelined", "2"], ["| blocking", "1"], ["| blocking", "2"]]
+    assert "every mode generated the same 12 tokens at batch 1" in lines
+
+
+def test_an_unknown_mode_is_refused() -> None:
+    done = _bench("--modes", "pipelined,overlapped")
+    assert done.returncode == 2
+    assert (
+        "phalanx bench engine: unknown mode overlapped; choose from ['pipelined', 'blocking']" in done.stdout
+    )
