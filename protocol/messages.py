@@ -19,10 +19,10 @@ Prefill/Decode/Unified with Ack. A DropRequest is answered with DropAck by every
 Pipelined decode: the coordinator may send the next Decode before it has read the previous one's
 result, so that the GPU never waits for the round trip. Such a step's rows carry ``FED_TOKEN``
 instead of a token: each rank feeds the token that rank 0 sampled for the request in the previous
-command (rank 0 shares it with the other ranks first). Rank 0 answers a Decode once its tokens
-have reached the host, or sooner in the command stream: when the next command arrives first and is
-a Decode, that one is launched before the earlier reply goes out; any other command waits until
-the earlier reply is out. Replies always leave a rank in seq order.
+command (rank 0 shares it with the other ranks first). Rank 0 answers a Decode as soon as its
+tokens are on the host. If the next command arrives before that and is a Decode, rank 0 launches it
+first, then answers; any other command runs only after the answer is out. Replies always leave a
+rank in seq order.
 """
 
 from __future__ import annotations

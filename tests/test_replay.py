@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from protocol import (
+    FED_TOKEN,
     PROTOCOL_VERSION,
     Ack,
     Capacity,
@@ -32,6 +33,7 @@ from protocol import (
 )
 from protocol.trace import open_trace, read_trace
 from tools.cli import main as phalanx
+from tools.replay import describe_body
 
 EPOCH = 9
 CAP = Capacity(kv_pages=8, page_size=4, max_slots=2, max_batch_tokens=64)
@@ -214,3 +216,9 @@ def test_replay_comparison_reports_a_changed_token_and_a_lost_failure() -> None:
         "recorded boom (decode), replayed success"
     )
     assert compare(Outcome(), Outcome(failure="x")) is None  # the recording ends before this step
+
+
+def test_show_names_a_fed_token() -> None:
+    rows = [DecodeRow(3, 0, FED_TOKEN, 9, b""), DecodeRow(4, 1, 17, 2, b"")]
+    assert "r3@s0:tok=fed,pos=9" in describe_body(Decode(rows))
+    assert "r4@s1:tok=17,pos=2" in describe_body(Decode(rows))

@@ -312,12 +312,18 @@ def test_pipelined_eos_reads_the_step_behind_and_discards_its_token() -> None:
     assert_pools_full(ranks, sched)
 
 
-def test_a_new_request_waits_for_the_step_in_flight_only() -> None:
+def _pipelining(ticks: int) -> tuple[FakeRanks, Scheduler, Request, Sink]:
+    """A pipelined scheduler ``ticks`` ticks into one request of 20 tokens."""
     ranks, sched = make(pipeline=True)
-    _, first = submit(sched, [1, 2], max_tokens=20, ignore_eos=True)
-    for _ in range(4):
+    request, sink = submit(sched, [1, 2], max_tokens=20, ignore_eos=True)
+    for _ in range(ticks):
         sched.step()
     assert ranks.commands[-1][0] == "decode" and ranks.most_in_flight == 2
+    return ranks, sched, request, sink
+
+
+def test_a_new_request_waits_for_the_step_in_flight_only() -> None:
+    ranks, sched, _, first = _pipelining(4)
     _, second = submit(sched, [3], max_tokens=3, ignore_eos=True)
     sent = len(ranks.commands)
     sched.step()  # reads the step in flight, sends nothing
@@ -330,10 +336,7 @@ def test_a_new_request_waits_for_the_step_in_flight_only() -> None:
 
 
 def test_pipelined_cancellation_waits_for_the_step_in_flight() -> None:
-    ranks, sched = make(pipeline=True)
-    request, sink = submit(sched, [1, 2], max_tokens=20, ignore_eos=True)
-    for _ in range(5):
-        sched.step()
+    ranks, sched, request, sink = _pipelining(5)
     sched.cancel(request.request_id)
     run(sched)
     assert sink.finish.reason == "cancelled" and 3 <= len(sink.tokens) < 20

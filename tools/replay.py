@@ -17,6 +17,7 @@ import msgspec
 import numpy as np
 
 from protocol.messages import (
+    FED_TOKEN,
     Cancel,
     Decode,
     DecodeDone,
@@ -56,7 +57,8 @@ def _chunk(c: PrefillChunk) -> str:
 
 
 def _row(r: DecodeRow) -> str:
-    return f"r{r.request_id}@s{r.slot}:tok={r.token},pos={r.position}"
+    token = "fed" if r.token == FED_TOKEN else r.token
+    return f"r{r.request_id}@s{r.slot}:tok={token},pos={r.position}"
 
 
 def _result(t: TokenResult) -> str:
