@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.host_staging_triton import feed_tokens
 from models.qwen35 import DecodeBatch, PrefillBatch
 from protocol.messages import FED_TOKEN, DecodeRow, DropRequest, PrefillChunk, TokenResult
 from protocol.packing import unpack_list
@@ -218,8 +219,7 @@ class StepRunner:
         else:
             batch = DecodeBatch.build(rows, self.device)
             if fed:
-                fed_rows = batch.tokens == FED_TOKEN
-                batch.tokens = torch.where(fed_rows, self.fed_tokens[batch.state_slots], batch.tokens)
+                batch.tokens = feed_tokens(batch.tokens, batch.state_slots, self.fed_tokens)
             logits, slots = self.model.decode(batch), batch.state_slots
         for plan in plans:
             plan.state.cached += 1
