@@ -18,6 +18,9 @@ The pinned header (int64) carries what changes with every step besides the rows:
 - ``HEADER_ACK``: set to the sequence number by the last program to finish, after every program's
   reads: once the host sees it, the buffers may be refilled (``worker/graph_inputs.py``).
 
+The sequence number is also stored on the device (``step``), for the graph's later kernels: the
+greedy pick lands each step's tokens in the half of a pinned ring its parity names.
+
 A row whose staged token is negative (``FED_TOKEN``, a pipelined step) takes its token from the
 device buffer ``fed`` at the row's state slot: the token the previous step sampled there.
 """
@@ -38,7 +41,8 @@ _BLOCK = 128  # page ids a program copies per loop step
 
 @triton.jit
 def _load_staged_kernel(
-    header_ptr, host_rows_ptr, host_table_ptr, rows_ptr, table_ptr, arrivals_ptr, fed_ptr, top, max_pages,
+    header_ptr, host_rows_ptr, host_table_ptr, rows_ptr, table_ptr, arrivals_ptr, fed_ptr, step_ptr, top,
+    max_pages,
     SEQ: tl.constexpr, COLUMNS: tl.constexpr, ACK: tl.constexpr, BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
@@ -57,6 +61,8 @@ def _load_staged_kernel(
     tl.store(rows_ptr + row, tl.where(token < 0, fed, token))
     tl.store(rows_ptr + top + row, tl.load(host_rows_ptr + top + row, cache_modifier=".cv"))
     tl.store(rows_ptr + 2 * top + row, slot)
+    if row == 0:
+        tl.store(step_ptr, seq)
     offsets = tl.arange(0, BLOCK)
     for first in range(0, columns, BLOCK):
         cols = first + offsets
@@ -78,13 +84,15 @@ def load_staged_triton(
     table: torch.Tensor,
     arrivals: torch.Tensor,
     fed: torch.Tensor,
+    step: torch.Tensor,
     bucket: int,
 ) -> None:
     """Copies the first ``bucket`` columns of ``host_rows`` [3, top] into ``rows`` [3, top] (a
     negative token replaced by ``fed`` [slots] at the row's slot) and the compact
     ``[bucket, header[HEADER_COLUMNS]]`` page table at the start of ``host_table`` into ``table``
-    [top, max_pages], then acknowledges ``header[HEADER_SEQ]`` in ``header[HEADER_ACK]``.
-    ``arrivals`` is an int32 counter on the device, zero between launches."""
+    [top, max_pages], stores ``header[HEADER_SEQ]`` in ``step`` [1] (int64, on the device), then
+    acknowledges it in ``header[HEADER_ACK]``. ``arrivals`` is an int32 counter on the device,
+    zero between launches."""
     top, max_pages = rows.shape[1], table.shape[1]
     if host_rows.shape != rows.shape or not rows.is_contiguous() or not table.is_contiguous():
         raise ValueError(
@@ -94,7 +102,7 @@ def load_staged_triton(
     if not 1 <= bucket <= top or table.shape[0] != top:
         raise ValueError(f"staging bucket {bucket} outside 1..{top} or table rows {table.shape[0]} != {top}")
     _load_staged_kernel[(bucket,)](
-        header, host_rows, host_table, rows, table, arrivals, fed, top, max_pages,
+        header, host_rows, host_table, rows, table, arrivals, fed, step, top, max_pages,
         SEQ=HEADER_SEQ, COLUMNS=HEADER_COLUMNS, ACK=HEADER_ACK, BLOCK=_BLOCK, USE_PDL=pdl_enabled(),
         num_warps=1,
     )  # fmt: skip
@@ -107,10 +115,12 @@ def load_staged_ref(
     rows: torch.Tensor,
     table: torch.Tensor,
     fed: torch.Tensor,
+    step: torch.Tensor,
     bucket: int,
 ) -> None:
     """What ``load_staged_triton`` does, in torch."""
     columns = int(header[HEADER_COLUMNS])
+    step[0] = header[HEADER_SEQ]
     rows[:, :bucket].copy_(host_rows[:, :bucket])
     rows[0, :bucket] = feed_tokens(rows[0, :bucket], rows[2, :bucket], fed)
     table[:bucket, :columns].copy_(host_table[: bucket * columns].view(bucket, columns))

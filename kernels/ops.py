@@ -20,6 +20,7 @@ from kernels.conv1d import causal_conv1d_decode_ref, causal_conv1d_prefill_ref
 from kernels.embedding import embedding_ref
 from kernels.gdn import gated_delta_rule_decode_ref, gated_delta_rule_prefill_ref, gdn_gating_ref
 from kernels.gdn_step import gdn_decode_step_ref
+from kernels.greedy import greedy_pick_ref
 from kernels.kv_cache import decode_kv_indices_ref, write_kv_ref
 from kernels.linear import (
     check_out,
@@ -45,6 +46,7 @@ __all__ = [
     "norm_rope_write_kv",
     "gdn_decode_step",
     "gdn_gating",
+    "greedy_pick",
     "linear",
     "linear_fp32",
     "linear_silu_and_mul",
@@ -127,6 +129,18 @@ def linear_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if x.is_cuda and x.dtype in _TRITON_LINEAR_DTYPES:
         return torch.mm(x, w.t(), out_dtype=torch.float32)
     return linear_fp32_ref(x, w)
+
+
+def greedy_pick(
+    logits: torch.Tensor,
+    slots: torch.Tensor,
+    fed: torch.Tensor,
+    landing: torch.Tensor | None = None,
+    seq: torch.Tensor | None = None,
+) -> torch.Tensor:
+    if logits.is_cuda:
+        return _triton("greedy", "greedy_pick")(logits, slots, fed, landing, seq)
+    return greedy_pick_ref(logits, slots, fed, landing, seq)
 
 
 def linear_silu_and_mul(x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ import torch
 from test_graphs_runner import PAGE_SIZE, Pair
 
 from models.qwen35.batch import DecodeBatch
+from worker.errors import WorkerStateError
 from worker.graphs import GraphError
 
 pytestmark = [
@@ -111,3 +112,25 @@ def test_graph_steps_staged_while_earlier_replays_wait_read_their_own_rows(tiny_
     for step, (out, ref) in enumerate(zip(got, expected, strict=True)):
         error = float((out.float() - ref.float()).norm() / ref.float().norm())
         assert error <= BF16_RELATIVE_ERROR, f"step {step}: logits differ by {error:.3g} (relative)"
+
+
+def test_graph_steps_land_their_greedy_tokens_in_the_pinned_ring(tiny_model_dir: Path) -> None:
+    """Each replay's greedy tokens land on the host in the ring half of its step's parity (no copy
+    call): equal to the logits' argmax for each of two steps in a row, while the step before's
+    half still holds its own; the step after next overwrites a half, and reading the older step's
+    tokens from it is refused."""
+    pair = _pair(tiny_model_dir, 3)
+    landed, argmax = [], []
+    for _ in range(3):
+        logits = pair.runner.decode(DecodeBatch.build(pair.rows([0, 1, 2])))
+        torch.cuda.synchronize()
+        landed.append(pair.runner.landed_tokens())
+        argmax.append(logits.argmax(-1).tolist())
+    assert landed[1].read() == argmax[1] and landed[2].read() == argmax[2]
+    assert landed[1].seq + 1 == landed[2].seq
+    with pytest.raises(
+        WorkerStateError,
+        match=rf"greedy tokens of decode step {landed[0].seq} were overwritten by step {landed[2].seq} "
+        "before rank 0 read them",
+    ):
+        landed[0].read()

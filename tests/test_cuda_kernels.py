@@ -353,3 +353,31 @@ def test_fast_launch_repeats_and_new_specialisations_stay_correct() -> None:
     for offset in (0, 0, 1, 0):  # offset 1: a view whose data pointer is not 16-byte aligned
         x = rand(2, 2 * INTER + 1)[:, offset : offset + 2 * INTER]
         assert rel(silu_and_mul_triton(x), silu_and_mul_ref(x)) <= OUT_TOL, f"silu_and_mul, offset {offset}"
+
+
+@pytest.mark.parametrize("rows", (1, 3, 64))
+def test_greedy_pick_at_the_vocab_shape_equals_argmax_and_feeds_each_slot(rows: int) -> None:
+    """At Qwen3.5's vocabulary (61 programs a row): torch.argmax's tokens, ties to the smallest id
+    across programs, the fed buffer written at each row's slot only; replayed in a graph too."""
+    from kernels.greedy import greedy_pick_ref
+    from kernels.greedy_triton import greedy_pick_triton
+
+    vocab = 248320
+    logits = torch.randn(rows, vocab, device=DEV)
+    logits[0, [200_000, 5000, 130_000]] = 50.0  # a tie across programs: 5000 wins
+    slots = torch.randperm(rows + 4, device=DEV)[:rows]
+    fed, fed_ref = torch.full((rows + 4,), -1, device=DEV), torch.full((rows + 4,), -1, device=DEV)
+    tokens = greedy_pick_triton(logits, slots, fed)
+    assert torch.equal(tokens, greedy_pick_ref(logits, slots, fed_ref))
+    assert torch.equal(fed, fed_ref) and int(tokens[0]) == 5000
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = greedy_pick_triton(logits, slots, fed)
+    logits.copy_(torch.randn_like(logits))
+    graph.replay()
+    fed_ref.fill_(-1)
+    fed.fill_(-1)
+    graph.replay()
+    assert torch.equal(replayed, greedy_pick_ref(logits, slots, fed_ref))
+    assert torch.equal(fed, fed_ref)

@@ -181,16 +181,18 @@ def test_4b_geometry_random_weights_generates() -> None:
     assert all(torch.isfinite(step).all() for step in logits)
 
 
-def test_engine_on_cuda_generates_the_model_greedy_tokens(tiny_model_dir: Path) -> None:
-    """The whole runtime (executor + one worker process) on CUDA: its greedy stream equals the
-    model's own greedy decode on the same GPU."""
+@pytest.mark.parametrize("cuda_graph", [False, True])
+def test_engine_on_cuda_generates_the_model_greedy_tokens(tiny_model_dir: Path, cuda_graph: bool) -> None:
+    """The whole runtime (executor + one worker process) on CUDA, pipelined, eager and with graphs
+    (whose tokens rank 0 reads where the graph landed them): its greedy stream equals the model's
+    own greedy decode on the same GPU."""
     from executor.engine import Engine, EngineConfig, GenerationParams, TokenEvent
     from models.qwen35 import Qwen35Model
 
     prompt = prompt_ids(40, seed=3)
     model = Qwen35Model.load(tiny_model_dir, device=DEV, dtype=torch.bfloat16)
     expected, _ = greedy(model, prompt, 32)
-    config = EngineConfig(model_dir=tiny_model_dir, tp=1, device="cuda", kv_pages=64)
+    config = EngineConfig(model_dir=tiny_model_dir, tp=1, device="cuda", kv_pages=64, cuda_graph=cuda_graph)
     with Engine.start(config) as engine:
         events = list(engine.submit(prompt, GenerationParams(max_tokens=32, ignore_eos=True)))
     tokens = [e.token_id for e in events if isinstance(e, TokenEvent)]

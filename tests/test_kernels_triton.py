@@ -342,8 +342,9 @@ def check_load_staged() -> dict[str, float]:
     rows, table = torch.full((3, top), -1), torch.full((top, max_pages), -1, dtype=torch.int32)
     arrivals = torch.zeros(1, dtype=torch.int32)
     ref_header, ref_rows, ref_table = header.clone(), rows.clone(), table.clone()
-    load_staged_triton(header, host_rows, host_table, rows, table, arrivals, fed, bucket)
-    load_staged_ref(ref_header, host_rows, host_table, ref_rows, ref_table, fed, bucket)
+    step, ref_step = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+    load_staged_triton(header, host_rows, host_table, rows, table, arrivals, fed, step, bucket)
+    load_staged_ref(ref_header, host_rows, host_table, ref_rows, ref_table, fed, ref_step, bucket)
     fed_expected = fed[host_rows[2, [1, 3]]]
     return {
         "rows_differ": float(not torch.equal(rows, ref_rows)),
@@ -353,7 +354,42 @@ def check_load_staged() -> dict[str, float]:
         "untouched_differ": float(not (rows[:, bucket:] == -1).all() or not (table[:, columns:] == -1).all()),
         "counter_left": float(arrivals.item()),
         "seq_and_columns_kept": float(int(header[HEADER_SEQ]) != 7 or int(header[HEADER_COLUMNS]) != columns),
+        "step_not_stored": float(int(step) != 7 or int(ref_step) != 7),
     }
+
+
+def check_greedy_pick() -> dict[str, float]:
+    """Rows split over several programs (chunks of 32 of a 150-token vocabulary, the last partial)
+    and over one: ties go to the smallest id, also across chunks; a row of -inf answers 0; NaN
+    counts as the largest; fed gets each row's token at its slot and nothing else; the landing's
+    half of the step's parity gets [seq, tokens...]."""
+    from kernels.greedy import greedy_pick_ref
+    from kernels.greedy_triton import _WORKSPACE, greedy_pick_triton
+
+    logits = torch.randn(6, 150)
+    logits[1, [40, 7, 129]] = 9.0  # a tie across three chunks: 7 wins
+    logits[2, [100, 101]] = 9.0  # a tie inside one chunk
+    logits[3] = float("-inf")
+    logits[4, 149] = 9.0  # the last, partial chunk
+    logits[5, 77] = float("nan")
+    slots = torch.tensor([5, 0, 7, 2, 3, 1])
+    results = {}
+    for chunk, seq in ((32, 12), (256, 7)):  # each lands in its half of the ring, the other untouched
+        fed, fed_ref = torch.full((9,), -1), torch.full((9,), -1)
+        landing, landing_ref = torch.full((2, 8), -1), torch.full((2, 8), -1)
+        step = torch.tensor([seq])
+        tokens = greedy_pick_triton(logits, slots, fed, landing, step, chunk=chunk)
+        ref = greedy_pick_ref(logits, slots, fed_ref, landing_ref, step)
+        results[f"tokens_differ_{chunk}"] = float(not torch.equal(tokens, ref))
+        results[f"fed_differs_{chunk}"] = float(not torch.equal(fed, fed_ref))
+        landed = torch.equal(landing[seq % 2], torch.cat([step, ref, torch.tensor([-1])]))
+        results[f"landing_differs_{chunk}"] = float(not landed or not torch.equal(landing, landing_ref))
+    plain_fed = torch.full((9,), -1)
+    results["tokens_differ_unlanded"] = float(
+        not torch.equal(greedy_pick_triton(logits, slots, plain_fed), ref)
+    )
+    results["counters_left"] = float(_WORKSPACE.current[logits.device][2].count_nonzero())
+    return results
 
 
 CHECKS: dict[str, Callable[[], dict[str, float]]] = {
@@ -374,6 +410,15 @@ TOLERANCE = {
     "counter_left": 0.0,
     "long_repeat_differs": 0.0,
     "seq_and_columns_kept": 0.0,
+    "tokens_differ_32": 0.0,
+    "tokens_differ_256": 0.0,
+    "tokens_differ_unlanded": 0.0,
+    "fed_differs_32": 0.0,
+    "fed_differs_256": 0.0,
+    "counters_left": 0.0,
+    "step_not_stored": 0.0,
+    "landing_differs_32": 0.0,
+    "landing_differs_256": 0.0,
     "state": 1e-3,
     "g": 1e-5,
     "beta": 1e-5,

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from protocol.messages import SamplingParams
-from worker.sampling import sample, seeded_uniform
+from worker.errors import WorkerStateError
+from worker.graph_inputs import LandedTokens
+from worker.sampling import draw_tokens, sample, seeded_uniform
 
 GREEDY = SamplingParams()
 
@@ -109,3 +111,32 @@ def test_cuda_matches_cpu() -> None:
     on_cuda = sample(logits.cuda(), params, list(range(16)))
     assert [s.token for s in on_cuda] == [s.token for s in on_cpu]
     assert [s.top_ids for s in on_cuda] == [s.top_ids for s in on_cpu]
+
+
+def test_greedy_rows_read_the_tokens_a_graph_landed_and_sampled_rows_their_own() -> None:
+    """With ``landed`` (a decode graph stored the greedy tokens in pinned memory) an all-greedy step
+    reads them there; a step where any row samples reads its own tokens, and so does one whose
+    greedy tokens were not the graph's."""
+    logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 1.0]])
+    greedy = torch.tensor([1, 0])
+    landing = torch.tensor([[-1, -1, -1], [5, 1, 0]])  # step 5's half: [seq, tokens...]
+    landed = LandedTokens(landing, seq=5, rows=2)
+    plain = SamplingParams()
+    assert [s.token for s in draw_tokens(logits, [plain, plain], [4, 4], greedy, landed).to_host()] == [1, 0]
+    landing[1, 1] = 2  # what the landing holds is what an all-greedy step reports
+    assert [s.token for s in draw_tokens(logits, [plain, plain], [4, 4], greedy, landed).to_host()] == [2, 0]
+    sampled = SamplingParams(temperature=1.0, top_k=1, seed=3)
+    assert [s.token for s in draw_tokens(logits, [plain, sampled], [4, 4], greedy, landed).to_host()] == [
+        1,
+        0,
+    ]
+    assert [s.token for s in draw_tokens(logits, [plain, plain], [4, 4], None, landed).to_host()] == [1, 0]
+
+
+def test_landed_tokens_overwritten_by_a_later_step_are_refused() -> None:
+    landing = torch.tensor([[-1, -1, -1], [7, 1, 0]])  # step 7 wrote the half step 5 landed in
+    with pytest.raises(
+        WorkerStateError,
+        match="greedy tokens of decode step 5 were overwritten by step 7 before rank 0 read them",
+    ):
+        LandedTokens(landing, seq=5, rows=2).read()

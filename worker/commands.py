@@ -211,11 +211,12 @@ class StepRunner:
         if fed:
             self.model.tp.broadcast_from_first(self.fed_tokens)
         greedy = None  # every row's argmax, when the graph runner picked it (and fed it) already
+        landed = None  # and where those tokens land on the host, when a graph replay put them there
         if self.graphs is not None:
             occupied = [slot for slot, owner in enumerate(self.slots.owners) if owner is not None]
             logits = self.graphs.decode(DecodeBatch.build(rows), occupied)
             slots = self.graphs.inputs.slots[: len(rows)]  # the staged rows' slots, on the device
-            greedy = self.graphs.greedy_tokens()
+            greedy, landed = self.graphs.greedy_tokens(), self.graphs.landed_tokens()
         else:
             batch = DecodeBatch.build(rows, self.device)
             if fed:
@@ -227,7 +228,11 @@ class StepRunner:
         if self.rank != 0:
             return None
         drawn = draw_tokens(
-            logits, [plan.row.sampling for plan in plans], [plan.row.position + 1 for plan in plans], greedy
+            logits,
+            [plan.row.sampling for plan in plans],
+            [plan.row.position + 1 for plan in plans],
+            greedy,
+            landed,
         )
         if drawn.tokens is not greedy:
             self.fed_tokens.index_copy_(0, slots, drawn.tokens)

@@ -17,6 +17,12 @@ Two ways from the host buffers to the device ones:
   pinned word the kernel writes); if not, it synchronises the device first.
 - **By copies** (CPU, or CUDA without graphs): two host-to-device copies a step, and an event that
   the next step waits on before it reuses the pinned buffers.
+
+The way back, in the graph: the step's greedy tokens land in a pinned ring (``landing``, two
+halves, the step's sequence number parity picks one), written by the graph's last kernel, so rank
+0 reads them once the step's event has completed, with no copy call (``LandedTokens``). A
+pipelined rank reads a step's tokens before it launches the step after next, which is the next to
+write the same half; the number stored beside the tokens proves it.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from kernels.host_staging_triton import (
     load_staged_triton,
 )
 from models.qwen35 import DecodeBatch
+from worker.errors import WorkerStateError
 
 # Page-table views kept for reuse, one per (bucket, width) seen; widths grow a page at a time.
 TABLE_VIEWS_KEPT = 256
@@ -70,6 +77,8 @@ class DecodeInputs:
             self._header = torch.zeros(HEADER_SIZE, dtype=torch.int64, pin_memory=True)
             self._header_np = self._header.numpy()
             self._arrivals = torch.zeros(1, dtype=torch.int32, device=device)
+            self.step = torch.zeros(1, dtype=torch.int64, device=device)  # the staging kernel's copy
+            self.landing = torch.full((2, 1 + top), -1, dtype=torch.int64, pin_memory=True)
 
     def stage(self, rows: np.ndarray, padding: list[int], table: np.ndarray, bucket: int) -> int:
         """Writes ``n`` rows (``rows`` [3, n]: tokens, positions, state slots), ``bucket - n`` padding
@@ -116,8 +125,13 @@ class DecodeInputs:
                 self.page_table,
                 self._arrivals,
                 self.fed_tokens,
+                self.step,
                 bucket,
             )
+
+    def landed(self, rows: int) -> LandedTokens:
+        """Where the greedy tokens of the step staged last land (graph mode)."""
+        return LandedTokens(self.landing, int(self._header_np[HEADER_SEQ]), rows)
 
     def batch(self, bucket: int, pages: int) -> DecodeBatch:
         """The static buffers' first ``bucket`` rows and ``pages`` page-table columns."""
@@ -159,3 +173,21 @@ class DecodeInputs:
             views = (host.numpy(), host, self.page_table[:bucket, :columns])
             self._table_views[(bucket, columns)] = views
         return views
+
+
+class LandedTokens:
+    """One graph step's greedy tokens in the pinned ring: ``landing[seq % 2]`` is [seq, tokens...]
+    once the step's work on the GPU has completed."""
+
+    def __init__(self, landing: torch.Tensor, seq: int, rows: int) -> None:
+        self.landing, self.seq, self.rows = landing, seq, rows
+
+    def read(self) -> list[int]:
+        """The ``rows`` tokens (call after the step's event has completed)."""
+        half = self.landing[self.seq % 2].tolist()
+        if half[0] != self.seq:
+            raise WorkerStateError(
+                f"greedy tokens of decode step {self.seq} were overwritten by step {half[0]} "
+                "before rank 0 read them"
+            )
+        return half[1 : 1 + self.rows]

@@ -7,10 +7,12 @@ page (page id ``kv_pages``), and a free state slot each, so their KV writes and 
 where nobody reads. Their logits are discarded. Recurrent and conv state live at fixed addresses
 in the model's state pool and are indexed by slot, so a graph never needs re-capturing when
 requests move between slots. Each step also picks every row's greedy token (argmax) and writes it
-to ``inputs.fed_tokens`` at the row's slot, inside the graph: a pipelined next step feeds from
-there, and rank 0 draws nothing more for greedy rows (on one H200, sampling outside the graph
-added 28 µs to each batch-1 step). Each step's rows and page table are written to pinned host buffers,
-which the graph's first kernel reads (no copy call, no event on the host's critical path).
+to ``inputs.fed_tokens`` at the row's slot, inside the graph, in one kernel
+(``kernels/greedy_triton.py``): a pipelined next step feeds from there, and rank 0 draws nothing
+more for greedy rows (on one H200, sampling outside the graph added 28 µs to each batch-1 step).
+Each step's rows and page table are written to pinned host buffers, which the graph's first kernel
+reads, and the greedy tokens come back the same way, landed in pinned memory by that last kernel
+(``worker/graph_inputs.py``): no copy call either way.
 
 Graphs are made only by the pre-capture sweep, in lockstep across ranks, one phase per command:
 ``Warmup`` (one eager all-reduce per bucket size, and one eager step per bucket so every kernel
@@ -35,6 +37,7 @@ import structlog
 import torch
 import torch.distributed as dist
 
+from kernels import ops
 from kernels.parallel_compile import parallel_compile
 from models.qwen35 import DecodeBatch
 from protocol.messages import Ack, Capacity, Capture, Finalize, Launch, Precapture, PrecapturePhase, Warmup
@@ -42,7 +45,7 @@ from worker.buckets import bucket_for, buckets_up_to, state_slot_layout
 from worker.config import ranks_on_this_host
 from worker.errors import WorkerStateError
 from worker.faults import fault_point
-from worker.graph_inputs import DecodeInputs
+from worker.graph_inputs import DecodeInputs, LandedTokens
 
 log = structlog.get_logger("phalanx.graphs")
 
@@ -163,6 +166,7 @@ class DecodeGraphRunner:
         self._outputs: dict[int, torch.Tensor] = {}
         self._greedy: dict[int, torch.Tensor] = {}  # each graph's argmax tokens [bucket]
         self._last_greedy: torch.Tensor | None = None  # the last decode's, [rows]
+        self._last_landed: LandedTokens | None = None  # where the last replay's land on the host
         self._pool: tuple[int, int] | None = None
         self._capture_stream = torch.cuda.Stream(self.device) if self.uses_cuda_graphs else None
         self._warmed = False
@@ -311,6 +315,7 @@ class DecodeGraphRunner:
             self.replays += 1
             self._last_rows = n
             self._last_greedy = self._greedy[bucket][:n]
+            self._last_landed = self.inputs.landed(n)
             return self._outputs[bucket][:n]
         logits = self._eager(bucket, pages=pages)[:n]
         self._last_greedy = self._last_greedy[:n]
@@ -321,6 +326,10 @@ class DecodeGraphRunner:
         if self._last_greedy is None:
             raise GraphError("greedy_tokens before any decode")
         return self._last_greedy
+
+    def landed_tokens(self) -> LandedTokens | None:
+        """Where the last graph replay's greedy tokens land on the host (None without graphs)."""
+        return self._last_landed
 
     def replay_last(self, times: int) -> torch.Tensor:
         """Replays the graph of the last decode ``times`` more times, back to back, on the rows it
@@ -347,6 +356,7 @@ class DecodeGraphRunner:
         self._outputs.clear()
         self._greedy.clear()
         self._last_greedy = None
+        self._last_landed = None
         self._pool = None
         self._captured.clear()
         self._launched.clear()
@@ -383,10 +393,13 @@ class DecodeGraphRunner:
         return logits
 
     def _pick_greedy(self, logits: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        # torch.argmax gives the first maximal index: the smallest id among ties, as sampling does.
-        greedy = torch.argmax(logits, dim=-1)
-        self.inputs.fed_tokens.index_copy_(0, slots, greedy)
-        return greedy
+        # The first maximal index: the smallest id among ties, as sampling picks. In graph mode the
+        # tokens also land in the inputs' pinned ring (``landed_tokens``).
+        if self.inputs.in_graph:
+            return ops.greedy_pick(
+                logits, slots, self.inputs.fed_tokens, self.inputs.landing, self.inputs.step
+            )
+        return ops.greedy_pick(logits, slots, self.inputs.fed_tokens)
 
     @contextlib.contextmanager
     def _on_capture_stream(self) -> Iterator[None]:

@@ -16,11 +16,14 @@ from __future__ import annotations
 import hashlib
 import random
 import struct
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from protocol.messages import SamplingParams
+
+if TYPE_CHECKING:
+    from worker.graph_inputs import LandedTokens
 
 
 class Sample(NamedTuple):
@@ -130,15 +133,23 @@ class DrawnTokens:
 
     ``tokens`` stays on the device (a pipelined next step feeds from it); the copies to the host
     start at once and ``ready`` says whether they have landed, so a rank can answer a step without
-    blocking on the GPU while another command might arrive (``worker/loop.py``).
+    blocking on the GPU while another command might arrive (``worker/loop.py``). With ``landed``
+    (the decode graph stored these very tokens in pinned memory itself) there is no copy to make.
     """
 
-    def __init__(self, tokens: torch.Tensor, report: _Report | None, params: list[SamplingParams]) -> None:
+    def __init__(
+        self,
+        tokens: torch.Tensor,
+        report: _Report | None,
+        params: list[SamplingParams],
+        landed: LandedTokens | None = None,
+    ) -> None:
         self.tokens = tokens
         self._params = params
         on_device = tokens.device.type == "cuda"
+        self._landed = landed
         # A non-blocking copy to the CPU lands in pinned memory, in stream order.
-        self._host_tokens = tokens.to("cpu", non_blocking=on_device)
+        self._host_tokens = None if landed is not None else tokens.to("cpu", non_blocking=on_device)
         self._host_report = None
         if report is not None:
             self._host_report = _Report(
@@ -156,7 +167,7 @@ class DrawnTokens:
         """Each row's Sample (waits for the copies)."""
         if self._copied is not None:
             self._copied.synchronize()
-        tokens = self._host_tokens.tolist()
+        tokens = self._landed.read() if self._host_tokens is None else self._host_tokens.tolist()
         report = self._host_report
         if report is None:
             return [Sample(token, None, None, None) for token in tokens]
@@ -179,10 +190,12 @@ def draw_tokens(
     params: list[SamplingParams],
     positions: list[int],
     greedy: torch.Tensor | None = None,
+    landed: LandedTokens | None = None,
 ) -> DrawnTokens:
     """Pick one token per row of ``logits`` [rows, vocab] (any float dtype, CPU or CUDA), on its
     device; ``to_host()`` of the result gives each row's Sample. ``greedy``, when given, is every
-    row's argmax already (the decode graph picks it): rows that sample replace theirs in a copy."""
+    row's argmax already (the decode graph picks it): rows that sample replace theirs in a copy.
+    ``landed`` is where the graph also stored ``greedy`` on the host: read there if no row samples."""
     _validate(logits, params, positions)
     tokens = _greedy(logits) if greedy is None else greedy
     drawn = [i for i, p in enumerate(params) if p.temperature > 0]
@@ -192,7 +205,9 @@ def draw_tokens(
         tokens[index] = _draw(
             logits.index_select(0, index), [params[i] for i in drawn], [positions[i] for i in drawn]
         )
-    return DrawnTokens(tokens, _logprob_report(logits, tokens, params), params)
+    if drawn or greedy is None:
+        landed = None  # the landing holds the graph's argmax, not these tokens
+    return DrawnTokens(tokens, _logprob_report(logits, tokens, params), params, landed)
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> list[Sample]:
