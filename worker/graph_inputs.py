@@ -184,10 +184,10 @@ class LandedTokens:
 
     def read(self) -> list[int]:
         """The ``rows`` tokens (call after the step's event has completed)."""
-        half = self.landing[self.seq % 2].tolist()
+        half = self.landing[self.seq % 2, : 1 + self.rows].tolist()
         if half[0] != self.seq:
             raise WorkerStateError(
                 f"greedy tokens of decode step {self.seq} were overwritten by step {half[0]} "
                 "before rank 0 read them"
             )
-        return half[1 : 1 + self.rows]
+        return half[1:]
