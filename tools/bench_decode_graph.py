@@ -3,7 +3,7 @@ pre-capture sweep (timed), then each batch served as a rank serves it (rows stag
 graph replayed), beside the graph alone on the GPU and the rank's pipelined step.
 
 The pipelined figure is a rank's own step code (``worker.commands.StepRunner``: checks, staging,
-replay, sampling, the tokens' copy to the host) fed as the coordinator feeds it by default: each
+replay, sampling, the tokens' way to the host) fed as the coordinator feeds it by default: each
 step is launched, its rows ``FED_TOKEN``, before the tokens of the step ahead are read. Its time
 per step is what a served request's time per output token comes to when the coordinator's round
 trip fits in a GPU step (it is not in this figure).
