@@ -73,11 +73,14 @@ class DecodeInputs:
         self._host_rows_np = self._host_rows.numpy()
         self._table_views: dict[tuple[int, int], tuple[np.ndarray, torch.Tensor, torch.Tensor]] = {}
         self._copied: torch.cuda.Event | None = None  # copy mode: set after each step's copies
+        # Graph mode: the staging kernel's copy of the step number, and the greedy tokens' ring.
+        self.step: torch.Tensor | None = None
+        self.landing: torch.Tensor | None = None
         if in_graph:
             self._header = torch.zeros(HEADER_SIZE, dtype=torch.int64, pin_memory=True)
             self._header_np = self._header.numpy()
             self._arrivals = torch.zeros(1, dtype=torch.int32, device=device)
-            self.step = torch.zeros(1, dtype=torch.int64, device=device)  # the staging kernel's copy
+            self.step = torch.zeros(1, dtype=torch.int64, device=device)
             self.landing = torch.full((2, 1 + top), -1, dtype=torch.int64, pin_memory=True)
 
     def stage(self, rows: np.ndarray, padding: list[int], table: np.ndarray, bucket: int) -> int:
@@ -131,6 +134,8 @@ class DecodeInputs:
 
     def landed(self, rows: int) -> LandedTokens:
         """Where the greedy tokens of the step staged last land (graph mode)."""
+        if self.landing is None:
+            raise ValueError("landed tokens exist in graph mode only")
         return LandedTokens(self.landing, int(self._header_np[HEADER_SEQ]), rows)
 
     def batch(self, bucket: int, pages: int) -> DecodeBatch:

@@ -395,11 +395,8 @@ class DecodeGraphRunner:
     def _pick_greedy(self, logits: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         # The first maximal index: the smallest id among ties, as sampling picks. In graph mode the
         # tokens also land in the inputs' pinned ring (``landed_tokens``).
-        if self.inputs.in_graph:
-            return ops.greedy_pick(
-                logits, slots, self.inputs.fed_tokens, self.inputs.landing, self.inputs.step
-            )
-        return ops.greedy_pick(logits, slots, self.inputs.fed_tokens)
+        inputs = self.inputs
+        return ops.greedy_pick(logits, slots, inputs.fed_tokens, inputs.landing, inputs.step)
 
     @contextlib.contextmanager
     def _on_capture_stream(self) -> Iterator[None]:

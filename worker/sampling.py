@@ -167,7 +167,7 @@ class DrawnTokens:
         """Each row's Sample (waits for the copies)."""
         if self._copied is not None:
             self._copied.synchronize()
-        tokens = self._landed.read() if self._host_tokens is None else self._host_tokens.tolist()
+        tokens = self._host_tokens.tolist() if self._landed is None else self._landed.read()
         report = self._host_report
         if report is None:
             return [Sample(token, None, None, None) for token in tokens]
