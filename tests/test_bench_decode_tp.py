@@ -131,3 +131,11 @@ def test_graph_table_sets_the_graph_alone_and_the_pipelined_step_beside_the_serv
     )
     assert table[2] == "| 1 | 2.420 | 2.401 | 2.393 | 413 | 80.8% | 3.10x |"
     assert table[3] == "| 64 | 5.200 | 5.050 | 5.100 | 12308 | 37.6% | 2.50x |"
+
+
+def test_the_pipelined_figure_is_built_from_the_gaps_between_reads() -> None:
+    from tools.bench_decode_graph import gaps_ms
+
+    assert gaps_ms([1.0, 1.0024, 1.0049, 1.0300]) == pytest.approx([2.4, 2.5, 25.1])
+    with pytest.raises(ValueError, match="pipelined figure: 1 timestamps make no gap between steps"):
+        gaps_ms([1.0])

@@ -31,10 +31,14 @@ def test_both_modes_time_the_same_tokens() -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
     header = lines.index(
-        "| decode | requests | TPOT ms (median) | ITL ms (median) | output tokens/s | first to last token, ms a token |"
+        "| decode | requests | TPOT ms (median) | ITL ms (median) | ITL p99 ms | longest gap ms | output tokens/s "
+        "| first to last token, ms a token |"
     )
     rows = [line.split(" | ")[0:2] for line in lines[header + 2 : header + 6]]
     assert rows == [["| pipelined", "1"], ["| pipelined", "2"], ["| blocking", "1"], ["| blocking", "2"]]
+    for line in lines[header + 2 : header + 6]:
+        itl, p99, longest = (float(cell) for cell in line.split(" | ")[3:6])
+        assert itl <= p99 <= longest, f"gap figures out of order: {line}"
     assert "every mode generated the same 12 tokens at batch 1" in lines
 
 

@@ -84,8 +84,9 @@ def pipelined_ms(
     pages: list[list[int]],
     args: argparse.Namespace,
 ) -> float:
-    """Wall time per step of ``args.steps`` pipelined decode steps of ``len(tokens)`` rows through a
-    rank's ``StepRunner`` on ``runner``'s graphs (after ``args.warmup`` untimed ones). The rows
+    """Wall time per step, the median over ``args.steps`` pipelined decode steps of ``len(tokens)``
+    rows through a rank's ``StepRunner`` on ``runner``'s graphs (after ``args.warmup`` untimed ones):
+    the gap between reading one step's tokens and the next's. The rows
     enter as requests whose prompt is cached (``args.context`` tokens, as the other rows assume)."""
     import time
 
@@ -110,16 +111,31 @@ def pipelined_ms(
         ]
 
     ahead = step_runner.decode(rows(args.context, fed=False))
-    started = 0.0
+    # When each step's tokens were read, from the last warm-up step on: one gap a step.
+    read_at = [time.perf_counter()] if args.warmup == 0 else []
     for step in range(1, args.warmup + args.steps + 1):
-        if step == args.warmup + 1:
-            started = time.perf_counter()
         following = step_runner.decode(rows(args.context + step, fed=True))
         ahead.results()
+        if step >= args.warmup:
+            read_at.append(time.perf_counter())
         ahead = following
-    elapsed = time.perf_counter() - started
     ahead.results()
-    return elapsed * 1e3 / args.steps
+    gaps = gaps_ms(read_at)
+    # The median, as for the other columns: one slow step of the host does not move it.
+    median = statistics.median(gaps)
+    print(
+        f"measured: pipelined batch {len(tokens)}: median {median:.4f} ms a step, "
+        f"mean {statistics.fmean(gaps):.4f}, slowest {max(gaps):.4f}",
+        flush=True,
+    )
+    return median
+
+
+def gaps_ms(stamps: list[float]) -> list[float]:
+    """The gaps between consecutive ``time.perf_counter()`` stamps, in ms."""
+    if len(stamps) < 2:
+        raise ValueError(f"pipelined figure: {len(stamps)} timestamps make no gap between steps")
+    return [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:], strict=False)]
 
 
 def graph_alone_ms(runner, steps: int) -> float:

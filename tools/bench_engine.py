@@ -11,7 +11,8 @@ timed as the engine's streams hand them over (no HTTP).
 The figures cover the steady span, from the moment every request has its first token to the moment
 the first one has its last: before it, prompts still being prefilled share the steps (how many
 arrive with the first step is up to timing). TPOT is the median over requests of their time per
-token in that span, ITL the median gap between consecutive tokens, and tokens/s the span's output. The last column is each
+token in that span, ITL the median gap between consecutive tokens (with the 99th percentile and the longest
+gap, where a stall of the host shows), and tokens/s the span's output. The last column is each
 request's whole first-to-last span per token (median), prefills included.
 At batch 1 the modes must generate the same tokens, which the run checks; a larger batch's make-up
 at each step follows the requests' arrival, and with it the last bits of bf16 logits.
@@ -23,6 +24,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -58,6 +60,8 @@ class Row:
     batch: int
     tpot_ms: float
     itl_ms: float
+    itl_p99_ms: float  # nearest rank: 99 % of the span's gaps are no longer
+    longest_gap_ms: float
     tokens_per_s: float
     whole_ms: float  # median over requests of first-to-last token time per token, prefills included
 
@@ -122,11 +126,14 @@ def _row(mode: str, batch: int, timed: list[tuple[list[int], list[float]]]) -> R
     if not tpots:
         raise RuntimeError(f"batch {batch}: no request decoded two tokens while all were decoding")
     whole = statistics.median((times[-1] - times[0]) / (len(times) - 1) for _, times in timed)
+    gaps.sort()
     return Row(
         mode,
         batch,
         statistics.median(tpots) * 1e3,
         statistics.median(gaps) * 1e3,
+        gaps[math.ceil(0.99 * len(gaps)) - 1] * 1e3,
+        gaps[-1] * 1e3,
         tokens / (end - start),
         whole * 1e3,
     )
@@ -191,7 +198,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _line(r: Row) -> str:
-    return f"| {r.mode} | {r.batch} | {r.tpot_ms:.3f} | {r.itl_ms:.3f} | {r.tokens_per_s:.0f} | {r.whole_ms:.3f} |"
+    return (
+        f"| {r.mode} | {r.batch} | {r.tpot_ms:.3f} | {r.itl_ms:.3f} | {r.itl_p99_ms:.3f} | {r.longest_gap_ms:.3f} "
+        f"| {r.tokens_per_s:.0f} | {r.whole_ms:.3f} |"
+    )
 
 
 def _table(args: argparse.Namespace, rows: list[Row]) -> str:
@@ -199,7 +209,8 @@ def _table(args: argparse.Namespace, rows: list[Row]) -> str:
     lines = [
         f"phalanx engine, {args.geometry}, {args.device}, {graphs}, TP 1: prompt {args.prompt_len}, "
         f"{args.output_len} output tokens a request",
-        "| decode | requests | TPOT ms (median) | ITL ms (median) | output tokens/s | first to last token, ms a token |",
-        "|---|---|---|---|---|---|",
+        "| decode | requests | TPOT ms (median) | ITL ms (median) | ITL p99 ms | longest gap ms | output tokens/s "
+        "| first to last token, ms a token |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     return "\n".join(lines + [_line(r) for r in rows])
