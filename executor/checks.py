@@ -4,7 +4,7 @@ coordinator can prove the command wrong without asking any rank."""
 from __future__ import annotations
 
 from executor.errors import StepRejected
-from protocol.messages import FED_TOKEN, Capacity, DecodeRow, DropRequest, PrefillChunk
+from protocol.messages import FED_TOKEN, NO_FEED, Capacity, DecodeRow, DropRequest, PrefillChunk
 from protocol.packing import unpack_ids
 
 
@@ -43,6 +43,7 @@ def check_prefill(
         raise StepRejected(f"{op} has no chunks")
     _unique(op, [chunk.request_id for chunk in chunks])
     total = 0
+    fed: set[int] = set()
     for chunk in chunks:
         _request_id(op, chunk.request_id)
         if len(chunk.tokens) % 4:
@@ -60,8 +61,25 @@ def check_prefill(
             )
         total += len(tokens)
         _pages(op, chunk.request_id, chunk.page_ids, chunk.start + len(tokens), capacity)
+        _feed_slot(op, chunk, capacity, fed)
     if total > capacity.max_batch_tokens:
         raise StepRejected(f"{op} has {total} tokens, exceeding max_batch_tokens {capacity.max_batch_tokens}")
+
+
+def _feed_slot(op: str, chunk: PrefillChunk, capacity: Capacity, fed: set[int]) -> None:
+    slot = chunk.feed_slot
+    if slot == NO_FEED:
+        return
+    where = f"{op} chunk for request {chunk.request_id} feeds slot {slot}"
+    if op != "prefill":
+        raise StepRejected(f"{where}: only a prefill may feed a decode slot")
+    if not chunk.last:
+        raise StepRejected(f"{where} but is not its prompt's last chunk")
+    if not 0 <= slot < capacity.max_slots:
+        raise StepRejected(f"{where} outside 0..{capacity.max_slots - 1}")
+    if slot in fed:
+        raise StepRejected(f"{op} has two chunks feeding slot {slot}")
+    fed.add(slot)
 
 
 def check_decode(rows: list[DecodeRow], capacity: Capacity, vocab_size: int, op: str = "decode") -> None:

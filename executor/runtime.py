@@ -2,9 +2,9 @@
 
 Each call checks the command structurally (StepRejected, no poison), sends one envelope with the
 next seq to every rank, collects exactly ``world_size`` replies within the step timeout and
-validates them. A decode may be split in two (``send_decode``, then ``collect_decode``) so that
-the next step is on its way before this one's result is read (pipelined decode): replies that
-arrive for a step still in flight are kept for its collection. The first Failed reply, a dead
+validates them. A decode or a prefill may be split in two (``send_decode``, then ``collect_decode``)
+so that the next step is on its way before this one's result is read (pipelined decode): replies
+that arrive for a step still in flight are kept for its collection. The first Failed reply, a dead
 rank, a timeout or an invalid reply set poisons the executor: every rank is killed and reaped,
 and every later call raises ExecutorPoisoned with the first reason.
 """
@@ -112,9 +112,17 @@ class Executor:
         self._validated(lambda: responses.validate_acks("ping", replies, self.world_size))
 
     def prefill(self, chunks: list[PrefillChunk]) -> PrefillDone:
+        return self.collect_prefill(self.send_prefill(chunks))
+
+    def send_prefill(self, chunks: list[PrefillChunk]) -> InFlight:
+        """Send a prefill without waiting for it (the request's first decode may follow it,
+        fed from ``feed_slot``); ``collect_prefill`` reads its result."""
         self._poison.ensure_healthy()
         checks.check_prefill(chunks, self.capacity, self.model_info.vocab_size)
-        replies = self._step("prefill", Prefill(chunks))
+        return self._send("prefill", Prefill(chunks))
+
+    def collect_prefill(self, step: InFlight) -> PrefillDone:
+        replies = self._collect(step)
         return self._validated(lambda: responses.validate_prefill(replies, self.world_size))
 
     def decode(self, rows: list[DecodeRow]) -> DecodeDone:

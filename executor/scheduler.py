@@ -19,7 +19,11 @@ previous one, so the GPU never waits for the round trip. A row whose request rea
 ``max_tokens`` in the step being read is not continued: that tick reads the step and stops. When a
 request stops on EOS, the step already sent behind it is read too (its token for the finished
 request is discarded), then the finished requests are retired; any other need (a new request, a
-cancellation) waits for the step in flight, at most one step.
+cancellation) waits for the step in flight, at most one step. A prefill-only step that ends every
+prompt being prefilled, with nothing else to do, is sent the same way: its requests take their
+decode slots at once, each last chunk names its slot (``feed_slot``), and the first decode follows
+``FED_TOKEN`` before the prefill's answer is read, so the GPU does not wait for that round trip
+either. A request that its prefill's token finishes (EOS) is retired once that decode is read.
 
 The scheduler is single-threaded: the engine calls ``add``, ``cancel`` and ``step`` from its
 scheduler thread only.
@@ -33,6 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
+import msgspec
 import structlog
 
 from executor.events import Event, FinishEvent, FinishReason, TokenEvent
@@ -72,17 +77,32 @@ class StepExecutor(Protocol):
 
 
 class PipelinedExecutor(StepExecutor, Protocol):
-    """An executor that can have a decode in flight while it sends the next (``pipeline=True``)."""
+    """An executor that can have a step in flight while it sends the next (``pipeline=True``)."""
 
     def send_decode(self, rows: list[DecodeRow]) -> Any: ...
 
     def collect_decode(self, step: Any) -> DecodeDone: ...
+
+    def send_prefill(self, chunks: list[PrefillChunk]) -> Any: ...
+
+    def collect_prefill(self, step: Any) -> PrefillDone: ...
+
+
+_PIPELINE_CALLS = ("send_decode", "collect_decode", "send_prefill", "collect_prefill")
 
 
 @dataclass
 class _InFlight:
     rows: list[DecodeRow]
     handle: Any  # the executor's token for collecting the step
+
+
+@dataclass
+class _PrefillInFlight:
+    """A prefill sent ahead of its requests' first decode (the ``_InFlight`` step behind it)."""
+
+    planned: list[tuple[Request, PrefillChunk]]
+    handle: Any
 
 
 class ArtifactError(RuntimeError):
@@ -149,12 +169,14 @@ class Scheduler:
         self.requests: dict[int, Request] = {}
         self.steps = 0
         self.last_step_seconds = 0.0
-        if pipeline and not all(hasattr(executor, name) for name in ("send_decode", "collect_decode")):
+        if pipeline and not all(hasattr(executor, name) for name in _PIPELINE_CALLS):
             raise TypeError(
-                f"pipelined decode needs send_decode and collect_decode; {type(executor).__name__} has not"
+                f"pipelined decode needs {', '.join(_PIPELINE_CALLS[:-1])} and {_PIPELINE_CALLS[-1]}; "
+                f"{type(executor).__name__} has not"
             )
         self.pipeline = pipeline
         self._in_flight: _InFlight | None = None  # pipelined: a decode sent, its result not read
+        self._prefill_in_flight: _PrefillInFlight | None = None  # sent just before ``_in_flight``
 
     # -- intake -----------------------------------------------------------------------------
 
@@ -200,7 +222,7 @@ class Scheduler:
         """Run one tick; returns whether a step command was dispatched (or read)."""
         if self._in_flight is not None:
             started = time.perf_counter()
-            self._continue_pipeline(self._in_flight)
+            self._continue_pipeline(self._in_flight, self._read_prefill_in_flight())
             self.last_step_seconds = time.perf_counter() - started
             return True
         self._retire_cancelled()
@@ -230,6 +252,11 @@ class Scheduler:
             return True
         elif rows:
             decoded = self.executor.decode(rows).results
+        elif self._feeds_first_decode(planned):
+            self._send_prefill_then_decode(planned)
+            self.steps += 2
+            self.last_step_seconds = time.perf_counter() - started
+            return True
         else:
             prefilled = self.executor.prefill(chunks).results
         op = "unified" if rows and chunks else "decode" if rows else "prefill"
@@ -266,25 +293,92 @@ class Scheduler:
     def _pipelined(self) -> PipelinedExecutor:
         return cast(PipelinedExecutor, self.executor)
 
-    def _continue_pipeline(self, current: _InFlight) -> None:
-        """Send the step after ``current`` (when nothing else is to be done), then read ``current``."""
+    def _continue_pipeline(
+        self, current: _InFlight, ended: dict[int, tuple[TokenEvent, FinishReason]]
+    ) -> None:
+        """Send the step after ``current`` (when nothing else is to be done), then read ``current``.
+        ``ended``: requests whose prefill, read just before, finished them (``current`` carries
+        them: their tokens in it are discarded, then they are retired)."""
         executor = self._pipelined
         following = None
-        if self._only_decoding():
+        if not ended and self._only_decoding():
             rows = [self._continued(row) for row in current.rows]
             if all(row is not None for row in rows):
                 following = _InFlight(rows, executor.send_decode(rows))
                 self.steps += 1
-        finished = self._take_decode("decode", current.rows, executor.collect_decode(current.handle).results)
+        finished = self._take_live_decode(current, executor.collect_decode(current.handle), set(ended))
+        finished += [
+            (row.slot, self.requests[row.request_id], *ended[row.request_id])
+            for row in current.rows
+            if row.request_id in ended
+        ]
         self._in_flight = following if following is not None and not finished else None
         if following is not None and finished:
             # The step behind carries the finished requests: read it before they are dropped.
-            ended = {request.request_id for _, request, _, _ in finished}
-            results = executor.collect_decode(following.handle).results
-            aligned = align_results("decode", results, [row.request_id for row in following.rows])
-            rows = [row for row in following.rows if row.request_id not in ended]
-            finished += self._take_decode("decode", rows, [aligned[row.request_id] for row in rows])
+            gone = {request.request_id for _, request, _, _ in finished}
+            finished += self._take_live_decode(following, executor.collect_decode(following.handle), gone)
         self._retire_finished(finished)
+
+    def _take_live_decode(
+        self, step: _InFlight, done: DecodeDone, ended: set[int]
+    ) -> list[tuple[int, Request, TokenEvent, FinishReason]]:
+        """``_take_decode`` of ``step``'s rows whose requests have not ended; the tokens the step
+        sampled for ended requests are discarded."""
+        aligned = align_results("decode", done.results, [row.request_id for row in step.rows])
+        rows = [row for row in step.rows if row.request_id not in ended]
+        return self._take_decode("decode", rows, [aligned[row.request_id] for row in rows])
+
+    # -- a prefill's first decode, pipelined ------------------------------------------------
+
+    def _feeds_first_decode(self, planned: list[tuple[Request, PrefillChunk]]) -> bool:
+        """A pipelined prefill-only step whose chunks end every prompt being prefilled, with
+        nothing else to do: each request's first decode may follow it unread."""
+        if not self.pipeline or self.waiting or len(planned) != len(self.prefilling):
+            return False
+        if any(request.cancelled for request in self.requests.values()):
+            return False
+        return all(chunk.last and request.params.max_tokens > 1 for request, chunk in planned)
+
+    def _send_prefill_then_decode(self, planned: list[tuple[Request, PrefillChunk]]) -> None:
+        """Each request takes its decode slot now; its last chunk names it (``feed_slot``), so
+        the ranks keep the token sampled there, and its first decode row is sent behind the
+        prefill, ``FED_TOKEN``, before the prefill's answer is read."""
+        chunks, rows = [], []
+        for request, chunk in planned:
+            slot = self.slots.admit(request.request_id)
+            self.prefilling.remove(request)
+            request.phase = Phase.DECODING
+            request.cursor += len(chunk.tokens) // 4
+            chunks.append(msgspec.structs.replace(chunk, feed_slot=slot))
+            position = len(request.prompt)
+            rows.append(
+                DecodeRow(
+                    request_id=request.request_id,
+                    slot=slot,
+                    token=FED_TOKEN,
+                    position=position,
+                    page_ids=pack_ids(request.pages[: pages_for_tokens(position + 1, self.pages.page_size)]),
+                    sampling=request.sampling,
+                )
+            )
+        executor = self._pipelined
+        self._prefill_in_flight = _PrefillInFlight(planned, executor.send_prefill(chunks))
+        self._in_flight = _InFlight(rows, executor.send_decode(rows))
+
+    def _read_prefill_in_flight(self) -> dict[int, tuple[TokenEvent, FinishReason]]:
+        """Read the prefill sent ahead of the decode in flight, if any: publish each request's
+        first token; returns the requests it finished (to retire once the decode is read)."""
+        sent, self._prefill_in_flight = self._prefill_in_flight, None
+        if sent is None:
+            return {}
+        done = self._pipelined.collect_prefill(sent.handle)
+        aligned = align_results("prefill", done.results, [chunk.request_id for _, chunk in sent.planned])
+        ended: dict[int, tuple[TokenEvent, FinishReason]] = {}
+        for request, _ in sent.planned:
+            event, reason = self._append_token(request, aligned[request.request_id])
+            if reason is not None:
+                ended[request.request_id] = (event, reason)
+        return ended
 
     def _slots_reserved(self) -> int:
         return len(self.slots) + len(self.ready) + len(self.prefilling)
@@ -371,14 +465,20 @@ class Scheduler:
         finished: list[tuple[int, Request, TokenEvent, FinishReason]] = []
         for row in rows:
             request = self.requests[row.request_id]
-            event = token_event(aligned[row.request_id])
-            request.output.append(event.token_id)
-            reason = self._finish_reason(request)
-            if reason is None:
-                request.emit(event)
-            else:
+            event, reason = self._append_token(request, aligned[row.request_id])
+            if reason is not None:
                 finished.append((row.slot, request, event, reason))
         return finished
+
+    def _append_token(self, request: Request, result: TokenResult) -> tuple[TokenEvent, FinishReason | None]:
+        """Add ``result``'s token to the request's output; publish it unless it finishes the
+        request (then it is held for the retirement, with the reason returned)."""
+        event = token_event(result)
+        request.output.append(event.token_id)
+        reason = self._finish_reason(request)
+        if reason is None:
+            request.emit(event)
+        return event, reason
 
     def _retire_finished(self, finished: list[tuple[int, Request, TokenEvent, FinishReason]]) -> None:
         # Highest slot first: each retirement then moves as few requests as possible.
@@ -396,12 +496,8 @@ class Scheduler:
             self.prefilling.remove(request)
             self.ready.append(request)
             request.phase = Phase.READY
-            event = token_event(aligned[request.request_id])
-            request.output.append(event.token_id)
-            reason = self._finish_reason(request)
-            if reason is None:
-                request.emit(event)
-            else:
+            event, reason = self._append_token(request, aligned[request.request_id])
+            if reason is not None:
                 self._retire(request, reason, held=(event,))
 
     # -- retirement -------------------------------------------------------------------------

@@ -19,7 +19,8 @@ Prefill/Decode/Unified with Ack. A DropRequest is answered with DropAck by every
 Pipelined decode: the coordinator may send the next Decode before it has read the previous one's
 result, so that the GPU never waits for the round trip. Such a step's rows carry ``FED_TOKEN``
 instead of a token: each rank feeds the token that rank 0 sampled for the request in the previous
-command (rank 0 shares it with the other ranks first). Rank 0 answers a Decode as soon as its
+command (rank 0 shares it with the other ranks first). A request's first decode may follow its
+Prefill that way too: the prompt's last chunk names the decode slot it feeds (``feed_slot``). Rank 0 answers a Decode as soon as its
 tokens are on the host. If the next command arrives before that and is a Decode, rank 0 launches it
 first, then answers; any other command runs only after the answer is out. Replies always leave a
 rank in seq order.
@@ -31,7 +32,7 @@ import enum
 
 import msgspec
 
-PROTOCOL_VERSION = 2  # 2: pipelined decode (FED_TOKEN rows)
+PROTOCOL_VERSION = 3  # 2: pipelined decode (FED_TOKEN rows); 3: a prefill feeds the first decode
 
 # ---------------------------------------------------------------------------------------------
 # Shared pieces
@@ -107,6 +108,10 @@ class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat", tag_field="op"):
 # ---------------------------------------------------------------------------------------------
 
 
+NO_FEED = -1
+"""``PrefillChunk.feed_slot`` of a chunk that feeds no decode slot."""
+
+
 class PrefillChunk(msgspec.Struct, frozen=True, array_like=True):
     """One contiguous piece of one request's prompt.
 
@@ -114,6 +119,11 @@ class PrefillChunk(msgspec.Struct, frozen=True, array_like=True):
     first chunk of a request has start 0. ``page_ids`` is the request's whole page table so far
     (packed int32), covering positions ``[0, start + len(tokens))``. On the ``last`` chunk rank 0
     samples the request's first output token.
+
+    ``feed_slot`` (a Prefill's last chunks only, else ``NO_FEED``): the dense decode slot the
+    request's first decode row will use. Every rank keeps the sampled token for that slot, so the
+    next command may be that Decode with the row ``FED_TOKEN``, sent before this Prefill's answer
+    is read. The slot must be free: no request is decoding in it.
     """
 
     request_id: int
@@ -122,11 +132,13 @@ class PrefillChunk(msgspec.Struct, frozen=True, array_like=True):
     page_ids: bytes
     last: bool
     sampling: SamplingParams = SamplingParams()
+    feed_slot: int = NO_FEED
 
 
 FED_TOKEN = -1
 """``DecodeRow.token`` of a pipelined step: feed the token sampled for this request by the previous
-command, which must have been a Decode or Unified with a decode row of the request in the same slot."""
+command, which must have been a Decode or Unified with a decode row of the request in the same
+slot, or a Prefill whose last chunk of the request named that slot as its ``feed_slot``."""
 
 
 class DecodeRow(msgspec.Struct, frozen=True, array_like=True):

@@ -6,10 +6,11 @@ checks every command the way a worker does, raising ``RankStateError`` on any mi
 output depends only on what the scheduler fed it: if the scheduler misplaces a token, a position
 or a page, the output changes or a check fires.
 
-Pipelined decode (``send_decode`` / ``collect_decode``) is carried out at once and its result held
-until collected. A ``FED_TOKEN`` row must follow a decode of its request in the same slot, and the
-fake refuses any other command while a decode is uncollected: the scheduler reads every step in
-flight before it prefills, drops or runs a unified step.
+Pipelined decode (``send_decode`` / ``collect_decode``, ``send_prefill`` / ``collect_prefill``) is
+carried out at once and its result held until collected. A ``FED_TOKEN`` row must follow a decode
+of its request in the same slot, or a prefill whose last chunk named that slot (``feed_slot``), and
+the fake refuses any other command while a step is uncollected: the scheduler reads every step in
+flight before it prefills (blocking), drops or runs a unified step.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 
 from protocol.messages import (
     FED_TOKEN,
+    NO_FEED,
     Capacity,
     DecodeDone,
     DecodeRow,
@@ -61,7 +63,8 @@ class FakeRanks:
         self.fail_on_drop_of: int | None = None
         self._fed_from: dict[int, int] = {}  # request id -> slot of the last command's decode rows
         self._uncollected: list[int] = []  # handles of pipelined decodes not read yet, oldest first
-        self._results: dict[int, DecodeDone] = {}
+        self._results: dict[int, DecodeDone | PrefillDone] = {}
+        self._feeds: dict[int, int] = {}  # request id -> slot the last prefill fed
         self.most_in_flight = 0
 
     # -- helpers ----------------------------------------------------------------------------
@@ -121,6 +124,10 @@ class FakeRanks:
                 state.prompt_done = True
                 state.last_sampled = fake_token(state.fed, chunk.sampling, self.vocab)
                 results.append(TokenResult(chunk.request_id, state.last_sampled))
+            if chunk.feed_slot != NO_FEED:
+                if not chunk.last or self.slot_map[chunk.feed_slot] is not None:
+                    raise RankStateError(f"request {chunk.request_id} feeds slot {chunk.feed_slot} wrongly")
+                self._feeds[chunk.request_id] = chunk.feed_slot
         return results
 
     def _decode(self, rows: list[DecodeRow]) -> list[TokenResult]:
@@ -161,6 +168,33 @@ class FakeRanks:
         self._not_in_flight("prefill")
         return PrefillDone(results=list(reversed(self._prefill(chunks))))
 
+    def send_prefill(self, chunks: list[PrefillChunk]) -> int:
+        self.commands.append(("prefill", chunks))
+        self._not_in_flight("prefill")
+        self._feeds = {}
+        done = PrefillDone(results=list(reversed(self._prefill(chunks))))
+        self._fed_from = dict(self._feeds)
+        return self._hold(done)
+
+    def collect_prefill(self, handle: int) -> PrefillDone:
+        done = self._collect(handle)
+        if not isinstance(done, PrefillDone):
+            raise RankStateError(f"step {handle} is a decode, collected as a prefill")
+        return done
+
+    def _hold(self, done: DecodeDone | PrefillDone) -> int:
+        handle = len(self.commands)
+        self._results[handle] = done
+        self._uncollected.append(handle)
+        self.most_in_flight = max(self.most_in_flight, len(self._uncollected))
+        return handle
+
+    def _collect(self, handle: int) -> DecodeDone | PrefillDone:
+        if not self._uncollected or self._uncollected[0] != handle:
+            raise RankStateError(f"step {handle} collected out of order (in flight: {self._uncollected})")
+        self._uncollected.pop(0)
+        return self._results.pop(handle)
+
     def decode(self, rows: list[DecodeRow]) -> DecodeDone:
         if self._uncollected:
             raise RankStateError("a blocking decode sent while decode steps are uncollected")
@@ -169,17 +203,13 @@ class FakeRanks:
 
     def send_decode(self, rows: list[DecodeRow]) -> int:
         self.commands.append(("decode", rows))
-        handle = len(self.commands)
-        self._results[handle] = DecodeDone(results=list(reversed(self._decode(rows))))
-        self._uncollected.append(handle)
-        self.most_in_flight = max(self.most_in_flight, len(self._uncollected))
-        return handle
+        return self._hold(DecodeDone(results=list(reversed(self._decode(rows)))))
 
     def collect_decode(self, handle: int) -> DecodeDone:
-        if not self._uncollected or self._uncollected[0] != handle:
-            raise RankStateError(f"decode {handle} collected out of order (in flight: {self._uncollected})")
-        self._uncollected.pop(0)
-        return self._results.pop(handle)
+        done = self._collect(handle)
+        if not isinstance(done, DecodeDone):
+            raise RankStateError(f"step {handle} is a prefill, collected as a decode")
+        return done
 
     def unified(self, chunks: list[PrefillChunk], rows: list[DecodeRow]) -> UnifiedDone:
         self.commands.append(("unified", (chunks, rows)))

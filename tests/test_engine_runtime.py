@@ -79,6 +79,9 @@ class HeldExecutor:
     def send_decode(self, rows):  # a pipelined decode: held (if asked) once it is sent
         return self._call("decode", rows, method="send_decode")
 
+    def send_prefill(self, chunks):  # a prefill its first decodes follow unread: held once sent
+        return self._call("prefill", chunks, method="send_prefill")
+
     def unified(self, chunks, rows):
         return self._call("unified", chunks, rows)
 

@@ -12,7 +12,7 @@ import pytest
 from executor.checks import check_decode, check_drop, check_prefill, check_unified
 from executor.errors import StepRejected
 from executor.model_info import read_model_info
-from protocol.messages import Capacity, DecodeRow, DropRequest, Expectation, PrefillChunk, SlotMove
+from protocol.messages import NO_FEED, Capacity, DecodeRow, DropRequest, Expectation, PrefillChunk, SlotMove
 from protocol.packing import pack_ids
 
 CAPACITY = Capacity(kv_pages=8, page_size=4, max_slots=2, max_batch_tokens=10)
@@ -20,10 +20,20 @@ VOCAB = 100
 
 
 def _chunk(
-    request_id: int, tokens: list[int], start: int = 0, pages: list[int] | None = None
+    request_id: int,
+    tokens: list[int],
+    start: int = 0,
+    pages: list[int] | None = None,
+    last: bool = True,
+    feed_slot: int = NO_FEED,
 ) -> PrefillChunk:
     return PrefillChunk(
-        request_id, pack_ids(tokens), start, pack_ids(pages if pages is not None else [0, 1]), True
+        request_id,
+        pack_ids(tokens),
+        start,
+        pack_ids(pages if pages is not None else [0, 1]),
+        last,
+        feed_slot=feed_slot,
     )
 
 
@@ -44,6 +54,15 @@ def _row(
         ([_chunk(1, [1, 2, 3, 4, 5], pages=[0])], "has 1 pages; 2 are needed for 5 tokens"),
         ([_chunk(1, [1], pages=[9])], "page ids outside 0..8"),
         ([_chunk(1, [1] * 6), _chunk(2, [1] * 5)], "prefill has 11 tokens, exceeding max_batch_tokens 10"),
+        ([_chunk(1, [1], feed_slot=2)], "^prefill chunk for request 1 feeds slot 2 outside 0..1$"),
+        (
+            [_chunk(1, [1], last=False, feed_slot=0)],
+            "^prefill chunk for request 1 feeds slot 0 but is not its prompt's last chunk$",
+        ),
+        (
+            [_chunk(1, [1], feed_slot=1), _chunk(2, [1], feed_slot=1)],
+            "^prefill has two chunks feeding slot 1$",
+        ),
     ],
 )
 def test_prefill_rejections(chunks: list[PrefillChunk], text: str) -> None:
@@ -73,6 +92,12 @@ def test_unified_and_drop_rejections() -> None:
         check_unified([_chunk(1, [1])], [], CAPACITY, VOCAB)
     with pytest.raises(StepRejected, match="unified request 1 appears in both prefill and decode"):
         check_unified([_chunk(1, [1])], [_row(1)], CAPACITY, VOCAB)
+    with pytest.raises(
+        StepRejected,
+        match="^unified chunk for request 1 feeds slot 1: only a prefill may feed a decode slot$",
+    ):
+        check_unified([_chunk(1, [1], feed_slot=1)], [_row(2)], CAPACITY, VOCAB)
+    check_prefill([_chunk(1, [1], feed_slot=0), _chunk(2, [1], feed_slot=1)], CAPACITY, VOCAB)
     check_drop(DropRequest(1, Expectation.MUST_EXIST, SlotMove(2, 1, 0)), CAPACITY)
     with pytest.raises(StepRejected, match="is a no-op"):
         check_drop(DropRequest(1, Expectation.MUST_EXIST, SlotMove(2, 1, 1)), CAPACITY)

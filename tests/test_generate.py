@@ -9,7 +9,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from protocol.messages import FED_TOKEN, Decode
+from protocol.messages import FED_TOKEN, NO_FEED, Decode, Prefill
 from protocol.trace import read_trace
 from tools.cli import main
 from tools.launch_options import model_dir_problem
@@ -39,10 +39,18 @@ def test_generate_with_the_demo_model_at_tp2_matches_transformers(
         ]
     )
     assert code == 0
-    # Pipelined, every decode step after the first feeds the token the ranks sampled.
-    decodes = {e.seq: e.message.body for e in read_trace(trace).entries if isinstance(e.message.body, Decode)}
-    fed = [row.token == FED_TOKEN for _, decode in sorted(decodes.items()) for row in decode.rows]
-    assert len(fed) == 6 and fed == [False] + [pipelined] * 5
+    # Pipelined, every decode step feeds the token the ranks sampled, the first one the prefill's
+    # (its chunk names the slot the token is kept for).
+    steps = {
+        e.seq: e.message.body
+        for e in read_trace(trace).entries
+        if isinstance(e.message.body, (Prefill, Decode))
+    }
+    bodies = [body for _, body in sorted(steps.items())]
+    fed = [row.token == FED_TOKEN for body in bodies if isinstance(body, Decode) for row in body.rows]
+    assert len(fed) == 6 and fed == [pipelined] * 6
+    feeds = {chunk.feed_slot for body in bodies if isinstance(body, Prefill) for chunk in body.chunks}
+    assert feeds == ({0} if pipelined else {NO_FEED})
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     model_dir = tmp_path / "phalanx" / "tiny-demo"
     assert (model_dir / "config.json").is_file()  # built on first use into the user's cache dir

@@ -222,3 +222,8 @@ def test_show_names_a_fed_token() -> None:
     rows = [DecodeRow(3, 0, FED_TOKEN, 9, b""), DecodeRow(4, 1, 17, 2, b"")]
     assert "r3@s0:tok=fed,pos=9" in describe_body(Decode(rows))
     assert "r4@s1:tok=17,pos=2" in describe_body(Decode(rows))
+
+
+def test_show_names_the_slot_a_prefill_chunk_feeds() -> None:
+    body = Prefill([PrefillChunk(3, pack_ids([1, 2]), 0, pack_ids([0]), True, feed_slot=1)])
+    assert describe_body(body) == "1 chunks: r3[0:2]pages=1+last->s1"

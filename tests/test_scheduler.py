@@ -15,7 +15,7 @@ from executor.pages import PagePool
 from executor.requests import GenerationParams, Phase, Request
 from executor.scheduler import ArtifactError, Scheduler, align_results
 from executor.slots import DenseSlots
-from protocol.messages import FED_TOKEN, Capacity, Expectation, SlotMove, TokenResult
+from protocol.messages import FED_TOKEN, NO_FEED, Capacity, Expectation, SlotMove, TokenResult
 
 
 def make(
@@ -284,9 +284,12 @@ def test_pipelined_decode_sends_each_step_before_reading_the_last() -> None:
     run(sched)
     assert sink.tokens == alone.tokens and sink.finish.reason == "length"
     decodes = [rows for kind, rows in ranks.commands if kind == "decode"]
-    # The first decode feeds the prefill's token; every later one is sent before the one ahead
-    # of it is read, so it feeds what the ranks sampled. The last step is never continued.
-    assert [row.token == FED_TOKEN for (row,) in decodes] == [False] + [True] * 10
+    # Every decode is sent before the step ahead of it is read, so it feeds what the ranks
+    # sampled: the first one the prefill's token, which its chunk kept for slot 0. The last step
+    # is never continued.
+    assert [kind for kind, _ in ranks.commands[:2]] == ["prefill", "decode"]
+    assert [chunk.feed_slot for chunk in ranks.commands[0][1]] == [0]
+    assert [row.token == FED_TOKEN for (row,) in decodes] == [True] * 11
     assert [row.position for (row,) in decodes] == list(range(2, 13))
     assert ranks.most_in_flight == 2
     assert ranks.commands[-1] == ("drop", (request.request_id, Expectation.MUST_EXIST, None))
@@ -309,6 +312,72 @@ def test_pipelined_eos_reads_the_step_behind_and_discards_its_token() -> None:
     decodes = [rows for kind, rows in ranks.commands if kind == "decode"]
     fed_stopped = [row.position for rows in decodes for row in rows if row.request_id == stopped.request_id]
     assert fed_stopped == [2, 3, 4, 5, 6]  # positions 2..5 made its tokens 2..5; position 6 was discarded
+    assert_pools_full(ranks, sched)
+
+
+def test_the_first_decodes_follow_their_prefill_unread_fed_from_their_slots() -> None:
+    _, sched = make()
+    _, first_alone = submit(sched, [4, 5], max_tokens=6, ignore_eos=True)
+    _, second_alone = submit(sched, [7], max_tokens=6, ignore_eos=True)
+    run(sched)
+    ranks, sched = make(pipeline=True)
+    _, first = submit(sched, [4, 5], max_tokens=6, ignore_eos=True)
+    _, second = submit(sched, [7], max_tokens=6, ignore_eos=True)
+    sched.step()  # the prefill, then the first decode behind it: nothing read yet
+    kinds = [kind for kind, _ in ranks.commands]
+    assert kinds == ["prefill", "decode"] and ranks.most_in_flight == 2
+    assert [chunk.feed_slot for chunk in ranks.commands[0][1]] == [0, 1]
+    assert [(row.slot, row.token) for row in ranks.commands[1][1]] == [(0, FED_TOKEN), (1, FED_TOKEN)]
+    assert first.tokens == [] and second.tokens == []
+    run(sched)
+    assert first.tokens == first_alone.tokens and second.tokens == second_alone.tokens
+    assert_pools_full(ranks, sched)
+
+
+def test_a_prefill_token_that_stops_its_request_discards_the_decode_behind_it() -> None:
+    _, sched = make()
+    _, probe = submit(sched, [8, 9], max_tokens=10, ignore_eos=True)
+    run(sched)
+    ranks, sched = make(eos=(probe.tokens[0],), pipeline=True)
+    stopped, sink = submit(sched, [8, 9], max_tokens=10)
+    run(sched)
+    assert sink.tokens == probe.tokens[:1] and sink.finish.reason == "stop"
+    assert [kind for kind, _ in ranks.commands] == ["prefill", "decode", "drop"]
+    # The decode sent behind the prefill ran (the request holds slot 0 on the ranks); its token
+    # is dropped with the request.
+    assert ranks.commands[-1] == ("drop", (stopped.request_id, Expectation.MUST_EXIST, None))
+    assert_pools_full(ranks, sched)
+
+
+def test_a_cancellation_after_a_pipelined_prefill_reads_both_steps_first() -> None:
+    ranks, sched = make(pipeline=True)
+    request, sink = submit(sched, [2, 3], max_tokens=8, ignore_eos=True)
+    sched.step()  # prefill + first decode in flight
+    sched.cancel(request.request_id)
+    run(sched)
+    assert len(sink.tokens) == 2 and sink.finish.reason == "cancelled"
+    assert [kind for kind, _ in ranks.commands] == ["prefill", "decode", "drop"]
+    assert_pools_full(ranks, sched)
+
+
+@pytest.mark.parametrize(
+    "case", ["one token", "a waiting request", "a prompt in chunks"], ids=lambda case: case.replace(" ", "_")
+)
+def test_a_prefill_is_read_before_any_decode_when_its_requests_cannot_all_decode_next(case: str) -> None:
+    ranks, sched = make(pipeline=True, max_slots=1 if case == "a waiting request" else 4)
+    prompt = list(range(1, 21)) if case == "a prompt in chunks" else [3, 4]  # 20 tokens: 16, then 4
+    submit(sched, prompt, max_tokens=1 if case == "one token" else 5, ignore_eos=True)
+    if case == "a waiting request":
+        submit(sched, [5], max_tokens=2, ignore_eos=True)  # no slot is left for it
+    sched.step()  # the prefill, read at once: no decode behind it
+    assert [kind for kind, _ in ranks.commands] == (
+        ["prefill", "drop"] if case == "one token" else ["prefill"]
+    )
+    assert [chunk.feed_slot for chunk in ranks.commands[0][1]] == [NO_FEED]
+    run(sched)
+    if case != "one token":  # a prompt's last chunk, or the waiting request once alone, feeds
+        last = [chunks for kind, chunks in ranks.commands if kind == "prefill"][-1]
+        assert [chunk.feed_slot for chunk in last] == [0]
     assert_pools_full(ranks, sched)
 
 
@@ -349,7 +418,9 @@ def test_pipelining_needs_an_executor_that_can_keep_a_step_in_flight() -> None:
         capacity = Capacity(8, 4, 2, 8)
 
     with pytest.raises(
-        TypeError, match="^pipelined decode needs send_decode and collect_decode; Blocking has not$"
+        TypeError,
+        match="^pipelined decode needs send_decode, collect_decode, send_prefill and collect_prefill; "
+        "Blocking has not$",
     ):
         Scheduler(Blocking(), (0,), pipeline=True)
 

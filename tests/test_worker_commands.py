@@ -237,6 +237,52 @@ def test_a_fed_row_needs_a_decode_of_its_request_in_the_command_before(model: Qw
         runner.decode([_row(1, 0, 3, [0, 1], token=FED_TOKEN)])  # a drop came between
 
 
+def test_a_prefill_feeds_the_first_decode_from_the_slot_its_last_chunk_names(model: Qwen35Model) -> None:
+    prompts = [[4, 5], [6, 7, 8]]
+    explicit, first = _prefilled(model, prompts)
+    rows = [
+        _row(i + 1, i, len(p), [2 * i, 2 * i + 1], token=t)
+        for i, (p, t) in enumerate(zip(prompts, first, strict=True))
+    ]
+    told = [r.token for r in explicit.decode(rows).results()]
+    model.allocate_cache(KV_PAGES + 1, PAGE, 2 * MAX_SLOTS)
+    fed = StepRunner(model, torch.device("cpu"), 0, PAGE, KV_PAGES, MAX_SLOTS, 64)
+    chunks = [
+        PrefillChunk(i + 1, pack_ids(p), 0, pack_ids([2 * i, 2 * i + 1]), True, feed_slot=i)
+        for i, p in enumerate(prompts)
+    ]
+    assert [r.token for r in fed.prefill(chunks)] == first
+    assert fed.fed_tokens[:2].tolist() == first
+    fed_rows = [_row(i + 1, i, len(p), [2 * i, 2 * i + 1], token=FED_TOKEN) for i, p in enumerate(prompts)]
+    assert [r.token for r in fed.decode(fed_rows).results()] == told
+
+
+def test_a_prefill_feeds_only_a_free_slot_from_a_last_chunk(model: Qwen35Model) -> None:
+    runner, (token_1, _) = _prefilled(model, [[4, 5], [6]])
+    runner.decode([_row(1, 0, 2, [0, 1], token=token_1)]).results()
+    where = "^prefill chunk for request 3 feeds slot {}"
+    cases = [
+        (
+            PrefillChunk(3, pack_ids([9]), 0, pack_ids([4]), False, feed_slot=1),
+            " but is not its prompt's last chunk$",
+        ),
+        (PrefillChunk(3, pack_ids([9]), 0, pack_ids([4]), True, feed_slot=0), ", which request 1 holds$"),
+        (
+            PrefillChunk(3, pack_ids([9]), 0, pack_ids([4]), True, feed_slot=3),
+            " outside the worker slot map of 3$",
+        ),
+    ]
+    for chunk, end in cases:
+        with pytest.raises(WorkerStateError, match=where.format(chunk.feed_slot) + end):
+            runner.prefill([chunk])
+        runner.requests.remove(3)  # the refused chunk began the request's state: forget it
+    with pytest.raises(
+        WorkerStateError,
+        match="^unified chunk for request 3 feeds slot 1: only a prefill may feed a decode slot$",
+    ):
+        runner.unified([PrefillChunk(3, pack_ids([9]), 0, pack_ids([4]), True, feed_slot=1)], [])
+
+
 class _HeldStep(PendingDecode):
     """A real decode step whose tokens count as 'not on the host yet' until ``land`` is set."""
 

@@ -18,6 +18,7 @@ import numpy as np
 
 from protocol.messages import (
     FED_TOKEN,
+    NO_FEED,
     Cancel,
     Decode,
     DecodeDone,
@@ -53,7 +54,9 @@ def _items(parts: list[str]) -> str:
 
 def _chunk(c: PrefillChunk) -> str:
     end = c.start + len(unpack_ids(c.tokens))
-    return f"r{c.request_id}[{c.start}:{end}]pages={len(unpack_ids(c.page_ids))}{'+last' if c.last else ''}"
+    last = "+last" if c.last else ""
+    feeds = f"->s{c.feed_slot}" if c.feed_slot != NO_FEED else ""  # keeps the token for that slot
+    return f"r{c.request_id}[{c.start}:{end}]pages={len(unpack_ids(c.page_ids))}{last}{feeds}"
 
 
 def _row(r: DecodeRow) -> str:

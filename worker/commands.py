@@ -6,9 +6,11 @@ Rank 0 samples and returns TokenResults; other ranks return None (the loop answe
 on rank 0 returns its step still in flight (``PendingDecode``): the loop answers it once its tokens
 are on the host, after launching the next Decode if that one arrives first.
 
-Pipelined rows (``FED_TOKEN``) feed the token sampled for their request by the previous command.
-Every rank keeps those tokens on the device, indexed by decode slot (``fed_tokens``): rank 0 writes
-them as it samples; before a step with fed rows, it broadcasts them to the other ranks.
+Pipelined rows (``FED_TOKEN``) feed the token sampled for their request by the previous command:
+a decode row's, or a Prefill's last chunk that named the slot (``feed_slot``), so a request's first
+decode can follow its prefill unread. Every rank keeps those tokens on the device, indexed by
+decode slot (``fed_tokens``): rank 0 writes them as it samples; before a step with fed rows, it
+broadcasts them to the other ranks.
 """
 
 from __future__ import annotations
@@ -19,13 +21,13 @@ import torch
 
 from kernels.host_staging_triton import feed_tokens
 from models.qwen35 import DecodeBatch, PrefillBatch
-from protocol.messages import FED_TOKEN, DecodeRow, DropRequest, PrefillChunk, TokenResult
+from protocol.messages import FED_TOKEN, NO_FEED, DecodeRow, DropRequest, PrefillChunk, TokenResult
 from protocol.packing import unpack_list
 from worker.errors import WorkerStateError
 from worker.faults import fault_point
 from worker.graphs import DecodeGraphRunner
 from worker.request_table import Phase, RequestState, RequestTable
-from worker.sampling import DrawnTokens, draw_tokens, sample
+from worker.sampling import DrawnTokens, draw_tokens
 from worker.slots import SlotTable
 
 
@@ -140,12 +142,26 @@ class StepRunner:
                         f"but {state.cached} tokens are cached"
                     )
             pages = self._pages(chunk.request_id, chunk.page_ids, chunk.start + len(tokens))
+            self._check_feed_slot(chunk)
             plans.append(_ChunkPlan(chunk, state, tokens, pages))
         if total > self.max_batch_tokens:
             raise WorkerStateError(
                 f"prefill of {total} tokens exceeds worker max_batch_tokens {self.max_batch_tokens}"
             )
         return plans
+
+    def _check_feed_slot(self, chunk: PrefillChunk) -> None:
+        slot = chunk.feed_slot
+        if slot == NO_FEED:
+            return
+        where = f"prefill chunk for request {chunk.request_id} feeds slot {slot}"
+        if not chunk.last:
+            raise WorkerStateError(f"{where} but is not its prompt's last chunk")
+        if not 0 <= slot < len(self.slots):
+            raise WorkerStateError(f"{where} outside the worker slot map of {len(self.slots)}")
+        owner = self.slots.owner(slot)
+        if owner is not None:
+            raise WorkerStateError(f"{where}, which request {owner} holds")
 
     def _plan_decode(self, rows: list[DecodeRow]) -> list[_RowPlan]:
         self._unique("decode", [row.request_id for row in rows])
@@ -192,11 +208,21 @@ class StepRunner:
         final = [index for index, plan in enumerate(plans) if plan.chunk.last]
         if not final:
             return []
-        samples = sample(
+        drawn = draw_tokens(
             logits[final],
             [plans[i].chunk.sampling for i in final],
             [plans[i].state.cached for i in final],
         )
+        feeding = [
+            (row, plans[i].chunk.feed_slot)
+            for row, i in enumerate(final)
+            if plans[i].chunk.feed_slot != NO_FEED
+        ]
+        if feeding:  # the first decode rows may follow unread (FED_TOKEN): keep their tokens here
+            picked = torch.tensor([row for row, _ in feeding], device=drawn.tokens.device)
+            slots = torch.tensor([slot for _, slot in feeding], device=self.fed_tokens.device)
+            self.fed_tokens.index_copy_(0, slots, drawn.tokens.index_select(0, picked))
+        samples = drawn.to_host()
         return [
             TokenResult(plans[i].chunk.request_id, *drawn) for i, drawn in zip(final, samples, strict=True)
         ]
@@ -244,7 +270,9 @@ class StepRunner:
         fault_point("prefill", self.rank)
         plans = self._plan_prefill(chunks)
         self._fed_from = {}
-        return self._run_prefill(plans)
+        results = self._run_prefill(plans)
+        self._fed_from = {chunk.request_id: chunk.feed_slot for chunk in chunks if chunk.feed_slot != NO_FEED}
+        return results
 
     def decode(self, rows: list[DecodeRow]) -> PendingDecode | None:
         """Launches the step; rank 0 gets it back in flight (``PendingDecode.results``)."""
@@ -256,6 +284,12 @@ class StepRunner:
     ) -> tuple[list[TokenResult], list[TokenResult]] | None:
         """Prefill first, then decode; both halves are checked before either runs."""
         fault_point("unified", self.rank)
+        for chunk in chunks:
+            if chunk.feed_slot != NO_FEED:
+                raise WorkerStateError(
+                    f"unified chunk for request {chunk.request_id} feeds slot {chunk.feed_slot}: "
+                    "only a prefill may feed a decode slot"
+                )
         prefill_ids = {chunk.request_id for chunk in chunks}
         for row in rows:
             if row.request_id in prefill_ids:
