@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 from live_server import REPO, serve_process
 
@@ -25,6 +26,9 @@ def test_serve_shuts_the_replica_down_in_order_when_stopped(
     log_path = tmp_path / "serve.log"
     args = ["--model", str(tiny_model_dir), "--tp", "2", "--kv-pages", "64"]
     with serve_process(args, log_path, new_session=True) as served:
+        # A request served first: the stop then finds connections and a scheduler that has run.
+        body = {"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0}
+        assert httpx.post(served.url + "/v1/completions", json=body, timeout=60).status_code == 200
         if to_group:  # the server and both ranks receive it (a terminal, systemd's default)
             os.killpg(served.process.pid, signal.Signals[stop])
         else:

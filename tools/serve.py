@@ -160,7 +160,11 @@ def run(args: argparse.Namespace) -> int:
         note = eager_decode_note(args.device, args.cuda_graph)
         if note:
             print(note, flush=True)
-        server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5))
+        # The app has no lifespan handlers. With them on, the SIGINT that uvicorn re-raises after
+        # draining could cancel the lifespan task mid-shutdown, which logged a spurious traceback.
+        server = uvicorn.Server(
+            uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5, lifespan="off")
+        )
         try:  # uvicorn drains, then re-raises the signal it stopped on (the CLI's StopSignal)
             server.run(sockets=[sock])
         except (KeyboardInterrupt, StopSignal) as stop:
