@@ -224,7 +224,7 @@ class StepRunner:
             self.fed_tokens.index_copy_(0, slots, drawn.tokens.index_select(0, picked))
         samples = drawn.to_host()
         return [
-            TokenResult(plans[i].chunk.request_id, *drawn) for i, drawn in zip(final, samples, strict=True)
+            TokenResult(plans[i].chunk.request_id, *sample) for i, sample in zip(final, samples, strict=True)
         ]
 
     def _run_decode(self, plans: list[_RowPlan]) -> PendingDecode | None:
