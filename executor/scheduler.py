@@ -324,6 +324,8 @@ class Scheduler:
     ) -> list[tuple[int, Request, TokenEvent, FinishReason]]:
         """``_take_decode`` of ``step``'s rows whose requests have not ended; the tokens the step
         sampled for ended requests are discarded."""
+        if not ended:  # the steady pipeline: every row's token is taken, aligned once
+            return self._take_decode("decode", step.rows, done.results)
         aligned = align_results("decode", done.results, [row.request_id for row in step.rows])
         rows = [row for row in step.rows if row.request_id not in ended]
         return self._take_decode("decode", rows, [aligned[row.request_id] for row in rows])

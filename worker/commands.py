@@ -269,7 +269,6 @@ class StepRunner:
     def prefill(self, chunks: list[PrefillChunk]) -> list[TokenResult] | None:
         fault_point("prefill", self.rank)
         plans = self._plan_prefill(chunks)
-        self._fed_from = {}
         results = self._run_prefill(plans)
         self._fed_from = {chunk.request_id: chunk.feed_slot for chunk in chunks if chunk.feed_slot != NO_FEED}
         return results
