@@ -12,11 +12,10 @@ the cuBLAS race are ``kernels/linear_triton.py``'s.
   resident; ``PER_SM > 0``: persistent, an equal share of the rows per program.
 - **Pre-normed GEMV** (``normed_gemv_kernel``, K up to ``NORMED_MAX_K``): the residual add and the
   (1 + w) RMSNorm before a decoder linear, then the products. Each persistent program reads the
-  whole x + residual row once (one wide load from L2), normalises it, rounding to bf16 exactly
-  where the separate norm kernel stores its output, and keeps it in registers, so its loop over
-  row blocks reads nothing but weights: each step loads ``BLOCK_N`` whole rows (K padded to a power
-  of two, the padding masked off) and requests the next block's rows before reducing these, so
-  two blocks of rows are in flight per program. Program 0 writes the new residual stream. On the
+  whole x + residual row once (one wide load from L2), scales it by (1 + w) and keeps it in
+  registers in fp32, so its loop over row blocks reads nothing but weights: each step loads
+  ``BLOCK_N`` whole rows (K padded to a power of two, the padding masked off) and requests the
+  next block's rows before reducing these, so two blocks of rows are in flight per program. Program 0 writes the new residual stream. On the
   H200 (4B shapes, PDL graphs of chained launches, 2026-12-01) this took the MLP's gate_up from
   28.6 to 25.6 µs, the GDN in_proj from 20.8 to 17.9 and the attention qkv from 20.1 to 15.8,
   against the plain GEMV's K-block loop with the norm folded into each block (the x, residual and
@@ -27,6 +26,10 @@ the cuBLAS race are ``kernels/linear_triton.py``'s.
   more launches back, see ``kernels/launch.py``), so after it the prologue waits on x's load alone
   instead of three loads and a reduction in a row: 17-31 µs off a whole batch-1 graph step (64
   pre-normed linears; whole 4B steps replayed in alternation in one process, four H200 machines).
+  1/rms multiplies each row's sum rather than x, so the first products start while the norm's
+  reduction (a barrier across the program's warps) is still running, and x * (1 + w) is not
+  rounded to bf16 first: 16.5-17.7 µs off a whole batch-1 step (two processes, 2026-12-02), and
+  gate_up's relative error against fp32 went from 3.9-4.0e-3 to 3.2-3.3e-3.
 """
 
 from __future__ import annotations
@@ -110,15 +113,16 @@ def normed_gemv_kernel(
     if tl.program_id(0) == 0:
         tl.store(h_ptr + cols, h, mask=k_mask)
     hf = h.to(tl.float32)
+    # 1/rms scales each row's sum, not x: the products need not wait for the norm's reduction.
+    scaled = (hf * (1.0 + nw.to(tl.float32)))[None, :]
     inv = tl.rsqrt(tl.sum(hf * hf, axis=0) / K + eps)
-    normed = (hf * inv * (1.0 + nw.to(tl.float32))).to(x.dtype).to(tl.float32)[None, :]
     for r0 in range(start, N, step):
         rows = r0 + tl.arange(0, BLOCK_N)
         w_next, w_up_next = _weight_tile(w_ptr, rows + step, N, cols, K, inter, stride_wn, SILU_MUL, True)
-        out = tl.sum(w.to(tl.float32) * normed, axis=1)
+        out = tl.sum(w.to(tl.float32) * scaled, axis=1) * inv
         out_up = out
         if SILU_MUL:
-            out_up = tl.sum(w_up.to(tl.float32) * normed, axis=1)
+            out_up = tl.sum(w_up.to(tl.float32) * scaled, axis=1) * inv
         _store_rows(y_ptr, rows, rows < N, out, out_up, SILU_MUL)
         w, w_up = w_next, w_up_next
 
