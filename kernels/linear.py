@@ -6,7 +6,9 @@ Weights are row-major ``[N, K]`` (torch's ``F.linear`` layout). The fused op tak
 
 The ``rms_norm_*`` forms apply the decoder's pre-norm first (``kernels/norms.py``'s ``rms_norm``,
 residual add included) and also return the residual stream it leaves; on CUDA the norm runs in the
-linear kernel's prologue, which saves a launch and a round trip per norm.
+linear kernel's prologue, which saves a launch and a round trip per norm. Their norm ``weight`` may
+be None: the model folds each pre-norm's (1 + w) into the columns of the linear that reads it
+(``models/qwen35/layers.py``), so the norm only scales by 1/rms.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ def linear_silu_and_mul_ref(x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.T
 
 
 def rms_norm_linear_ref(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None, w: torch.Tensor
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None, w: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear(rms_norm(h), w), h) with h = x + residual (or x): the norm's output in x.dtype."""
     normed, h = rms_norm_ref(x, weight, eps, residual)
@@ -53,7 +55,11 @@ def rms_norm_linear_ref(
 
 
 def rms_norm_linear_silu_and_mul_ref(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None, w_gate_up: torch.Tensor
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    residual: torch.Tensor | None,
+    w_gate_up: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear_silu_and_mul(rms_norm(h), w_gate_up), h) with h = x + residual (or x)."""
     normed, h = rms_norm_ref(x, weight, eps, residual)

@@ -94,7 +94,7 @@ def gemv_kernel(
 def normed_gemv_kernel(
     x_ptr, w_ptr, y_ptr, res_ptr, nw_ptr, h_ptr, N, K, inter, stride_wn, eps,
     BLOCK_N: tl.constexpr, K_PAD: tl.constexpr, PER_SM: tl.constexpr, SILU_MUL: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     # Persistent (PER_SM programs per SM set the grid), the row blocks dealt out in turn: program
     # p takes blocks p, p + P, p + 2P, ..., so at any moment the programs read neighbouring rows.
@@ -104,7 +104,8 @@ def normed_gemv_kernel(
     k_mask = cols < K
     w, w_up = _weight_tile(w_ptr, start + tl.arange(0, BLOCK_N), N, cols, K, inter, stride_wn, SILU_MUL, True)
     # Also before the wait: the norm weight and the residual (see the module docstring).
-    nw = tl.load(nw_ptr + cols, mask=k_mask, other=0.0)
+    if HAS_WEIGHT:
+        nw = tl.load(nw_ptr + cols, mask=k_mask, other=0.0)
     res = tl.load(res_ptr + cols, mask=k_mask, other=0.0)
     wait_for_producer(USE_PDL)
     x = tl.load(x_ptr + cols, mask=k_mask, other=0.0)
@@ -114,7 +115,9 @@ def normed_gemv_kernel(
         tl.store(h_ptr + cols, h, mask=k_mask)
     hf = h.to(tl.float32)
     # 1/rms scales each row's sum, not x: the products need not wait for the norm's reduction.
-    scaled = (hf * (1.0 + nw.to(tl.float32)))[None, :]
+    scaled = hf[None, :]
+    if HAS_WEIGHT:
+        scaled = (hf * (1.0 + nw.to(tl.float32)))[None, :]
     inv = tl.rsqrt(tl.sum(hf * hf, axis=0) / K + eps)
     for r0 in range(start, N, step):
         rows = r0 + tl.arange(0, BLOCK_N)

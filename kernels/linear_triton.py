@@ -284,17 +284,17 @@ def _zeros_like(x: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class PreNorm:
     """The (1 + w) RMSNorm a linear applies to its input first (see ``kernels/linear.py``): the
-    residual added before it, its weight and eps, and ``h``, the buffer that receives the new
-    residual stream x + residual."""
+    residual added before it, its weight (None: folded into the linear's columns) and eps, and
+    ``h``, the buffer that receives the new residual stream x + residual."""
 
     residual: torch.Tensor
-    weight: torch.Tensor
+    weight: torch.Tensor | None
     eps: float
     h: torch.Tensor
 
     @classmethod
     def build(
-        cls, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+        cls, x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None
     ) -> PreNorm:
         if residual is None:
             # A zero residual keeps one kernel variant (x + 0 is x exactly); the first layer only.
@@ -326,7 +326,8 @@ def _launch(
     y_dtype = x.dtype if out_dtype is None else out_dtype
     block_m = 1 if m == 1 else min(max(next_pow2(m), _DOT_MIN_M), _DOT_MAX_BLOCK_M)
     kind = "gemm" if m > 1 else "gemv" if norm is None else "normed_gemv"
-    key = (kind, n_out, k, block_m, silu_mul, norm is not None, x.dtype, y_dtype)
+    pre_norm = "none" if norm is None else "unit" if norm.weight is None else "(1 + w)"
+    key = (kind, n_out, k, block_m, silu_mul, pre_norm, x.dtype, y_dtype)
     decided = _cublas_faster.get(key)
     if decided:
         return _cublas(x, w, silu_mul, norm, out, out_dtype)
@@ -340,8 +341,9 @@ def _launch(
         args: tuple[object, ...] = (x, w, y, n_out, k, n_out, w.stride(0))
         if norm is not None:
             h = norm.h
-            args = (x, w, y, norm.residual, norm.weight, h, n_out, k, n_out, w.stride(0), norm.eps)
-            constexprs["K_PAD"] = next_pow2(k)
+            norm_weight = x if norm.weight is None else norm.weight  # never read without one
+            args = (x, w, y, norm.residual, norm_weight, h, n_out, k, n_out, w.stride(0), norm.eps)
+            constexprs.update(K_PAD=next_pow2(k), HAS_WEIGHT=norm.weight is not None)
         if _INTERPRET:
             per_sm = INTERPRETER_GEMV_PER_SM
             constexprs["PER_SM"] = per_sm if norm is None else max(1, per_sm)
@@ -427,7 +429,7 @@ def linear_silu_and_mul_triton(x: torch.Tensor, w_gate_up: torch.Tensor) -> torc
 
 def _pre_normed(
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | None,
     eps: float,
     residual: torch.Tensor | None,
     w: torch.Tensor,
@@ -447,14 +449,18 @@ def _pre_normed(
 
 
 def rms_norm_linear_triton(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None, w: torch.Tensor
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None, w: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _check(x, w, "rms_norm_linear")
     return _pre_normed(x, weight, eps, residual, w, silu_mul=False)
 
 
 def rms_norm_linear_silu_and_mul_triton(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None, w_gate_up: torch.Tensor
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    residual: torch.Tensor | None,
+    w_gate_up: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _check(x, w_gate_up, "rms_norm_linear_silu_and_mul")
     return _pre_normed(x, weight, eps, residual, w_gate_up, silu_mul=True)

@@ -7,12 +7,15 @@ import torch.nn.functional as F
 
 
 def rms_norm_ref(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """y = rmsnorm(h) * (1 + w) in fp32, h = x + residual (or x); returns (y in x.dtype, h)."""
+    """y = rmsnorm(h) * (1 + w) in fp32, h = x + residual (or x); returns (y in x.dtype, h).
+    ``weight`` None: no (1 + w) factor (the model folds it into the linear that reads y)."""
     h = x if residual is None else x + residual
     hf = h.float()
-    y = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())
+    y = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * (1.0 + weight.float())
     return y.to(x.dtype), h
 
 

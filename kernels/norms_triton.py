@@ -24,6 +24,7 @@ def _rms_norm_kernel(
     stride_h,
     eps,
     HAS_RESIDUAL: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -32,7 +33,8 @@ def _rms_norm_kernel(
     mask = cols < H
     # Before the wait: the weight, and the residual, which a decoder's previous pre-norm wrote at
     # least two launches back (see ``kernels/launch.py``); x, the kernel just before's, after it.
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_WEIGHT:
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
     wait_for_producer(USE_PDL)
@@ -43,7 +45,9 @@ def _rms_norm_kernel(
         tl.store(h_ptr + row * stride_h + cols, x, mask=mask)
     xf = x.to(tl.float32)
     inv = tl.rsqrt(tl.sum(xf * xf, axis=0) / H + eps)
-    y = xf * inv * (1.0 + w)
+    y = xf * inv
+    if HAS_WEIGHT:
+        y = y * (1.0 + w)
     tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -55,7 +59,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm_triton(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     n, hidden = x.shape
     x = _rows(x)
@@ -72,7 +76,7 @@ def rms_norm_triton(
         (n,),
         x,
         res,
-        weight,
+        x if weight is None else weight,  # never read without a weight
         y,
         h,
         hidden,
@@ -82,6 +86,7 @@ def rms_norm_triton(
         h.stride(0),
         eps,
         residual is not None,
+        weight is not None,
         block,
         num_warps=min(max(block // 256, 1), 8),
     )

@@ -83,7 +83,7 @@ def _triton(module: str, name: str) -> Callable[..., Any]:
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if x.is_cuda:
         return _triton("norms", "rms_norm")(x, weight, eps, residual)
@@ -152,20 +152,24 @@ def linear_silu_and_mul(x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tenso
 
 
 def rms_norm_linear(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None, w: torch.Tensor
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None, w: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return _norm_then_linear(x, weight, eps, residual, w, silu_mul=False)
 
 
 def rms_norm_linear_silu_and_mul(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None, w_gate_up: torch.Tensor
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    residual: torch.Tensor | None,
+    w_gate_up: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return _norm_then_linear(x, weight, eps, residual, w_gate_up, silu_mul=True)
 
 
 def _norm_then_linear(
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | None,
     eps: float,
     residual: torch.Tensor | None,
     w: torch.Tensor,

@@ -60,17 +60,19 @@ def _case(m: int, n: int, k: int) -> dict[str, float]:
     logits = linear_fp32_triton(x, w)
     errors["fp32_dtype"] = float(logits.dtype != torch.float32)
     errors["fp32_rounded"] = float(_rel(logits, linear_fp32_ref(x, w)) > 1e-4)
-    # The pre-norm in the prologue: with a residual (h written), without one, with strided x.
+    # The pre-norm in the prologue: with a residual (h written), without one, with strided x, and
+    # with no norm weight (the model's, folded into the linear's columns).
     for name, op, ref, weight in (
         ("norm", rms_norm_linear_triton, rms_norm_linear_ref, w),
         ("norm_fused", rms_norm_linear_silu_and_mul_triton, rms_norm_linear_silu_and_mul_ref, w_gate_up),
     ):
-        for variant, inp, res in (
-            ("", x, residual),
-            ("_no_residual", x, None),
-            ("_strided", strided_x, residual),
+        for variant, inp, res, nw in (
+            ("", x, residual, norm),
+            ("_no_residual", x, None, norm),
+            ("_strided", strided_x, residual, norm),
+            ("_unit_weight", x, residual, None),
         ):
-            (y, h), (y_ref, h_ref) = op(inp, norm, 1e-6, res, weight), ref(inp, norm, 1e-6, res, weight)
+            (y, h), (y_ref, h_ref) = op(inp, nw, 1e-6, res, weight), ref(inp, nw, 1e-6, res, weight)
             errors[name + variant] = _rel(y, y_ref)
             errors[name + variant + "_h"] = _rel(h, h_ref)
     return errors
@@ -313,7 +315,7 @@ def test_a_key_where_cublas_measured_faster_takes_cublas(monkeypatch: pytest.Mon
     from kernels import linear_race, linear_triton
 
     monkeypatch.setattr(linear_race, "_race_us", lambda *runs: [2.0, 1.0])  # Triton, cuBLAS: cuBLAS faster
-    key = ("gemm", 10, 16, 16, False, False, torch.float32, torch.float32)
+    key = ("gemm", 10, 16, 16, False, "none", torch.float32, torch.float32)
     shape = {"N": "10", "K": "16"}
     assert linear_race.cublas_beats_triton("gemm", shape, None, lambda: None, lambda: None) is True
     monkeypatch.setenv("PHALANX_LINEAR", "triton")

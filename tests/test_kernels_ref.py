@@ -35,6 +35,31 @@ def test_rms_norm_matches_hf_and_adds_residual() -> None:
     close(y, norm(x + res).detach())
 
 
+def test_norm_weight_folded_into_the_linear_equals_the_norm_then_the_linear() -> None:
+    """The model folds each pre-norm's (1 + w) into the columns of the linear reading it: the
+    pre-normed linear without a norm weight, on the folded weight, is the norm then the linear."""
+    from models.qwen35.layers import fold_norm_weight
+
+    x, res = torch.randn(3, 64, dtype=torch.float64), torch.randn(3, 64, dtype=torch.float64)
+    norm_w, w = torch.rand(64, dtype=torch.float64) - 0.5, torch.randn(40, 64, dtype=torch.float64)
+    (y, h), folded = ops.rms_norm_linear(x, norm_w, 1e-6, res, w), w.clone()
+    fold_norm_weight(folded, norm_w)
+    y_folded, h_folded = ops.rms_norm_linear(x, None, 1e-6, res, folded)
+    close(y_folded, y)
+    assert torch.equal(h_folded, h) and not torch.equal(folded, w)
+    fused = torch.randn(80, 64, dtype=torch.float64)
+    folded_fused = fused.clone()
+    fold_norm_weight(folded_fused, norm_w)
+    close(
+        ops.rms_norm_linear_silu_and_mul(x, None, 1e-6, res, folded_fused)[0],
+        ops.rms_norm_linear_silu_and_mul(x, norm_w, 1e-6, res, fused)[0],
+    )
+    with pytest.raises(
+        ValueError, match=r"norm weight \(32,\) does not match the columns of linear weight \(40, 64\)"
+    ):
+        fold_norm_weight(w, norm_w[:32])
+
+
 def test_gated_rms_norm_matches_hf() -> None:
     x, z = torch.randn(6, 4, 16), torch.randn(6, 4, 16)
     norm = hf.Qwen3_5RMSNormGated(16, eps=1e-6)

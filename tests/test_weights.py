@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from models.qwen35 import PrefillBatch, Qwen35Model, WeightError
+from models.qwen35.layers import fold_norm_weight
 
 Tensors = dict[str, torch.Tensor]
 
@@ -145,7 +146,14 @@ def gdn_segments(t: torch.Tensor, rank: int, hk: int, hv: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_rank_slices(tiny_model_dir: Path, world_size: int) -> None:
-    """Each rank's fused weights are exactly its heads' rows / columns of the HF tensors."""
+    """Each rank's fused weights are exactly its heads' rows / columns of the HF tensors, the
+    input projections' columns times their pre-norm's (1 + w)."""
+
+    def folded(weight: torch.Tensor, norm: str) -> torch.Tensor:
+        weight = weight.clone()
+        fold_norm_weight(weight, full[norm])
+        return weight
+
     full = load_file(tiny_model_dir / "model.safetensors")
     heads, kv_heads, hk, hv = 4 // world_size, 1, 4 // world_size, 8 // world_size
     inter, vocab = 128 // world_size, 512 // world_size
@@ -161,7 +169,7 @@ def test_rank_slices(tiny_model_dir: Path, world_size: int) -> None:
                 rows(full[p + "v_proj.weight"], kv_head, kv_heads, 32),
             ]
         )
-        assert torch.equal(attn.qkv_weight, expected_qkv)
+        assert torch.equal(attn.qkv_weight, folded(expected_qkv, "model.layers.1.input_layernorm.weight"))
         assert torch.equal(
             attn.o_weight, full[p + "o_proj.weight"][:, rank * heads * 32 : (rank + 1) * heads * 32]
         )
@@ -178,7 +186,7 @@ def test_rank_slices(tiny_model_dir: Path, world_size: int) -> None:
                 rows(full[p + "in_proj_a.weight"], rank * hv, hv),
             ]
         )
-        assert torch.equal(gdn.in_weight, expected_in)
+        assert torch.equal(gdn.in_weight, folded(expected_in, "model.layers.0.input_layernorm.weight"))
         assert torch.equal(gdn.conv_weight, gdn_segments(conv, rank, hk, hv))
         assert torch.equal(gdn.A_log, rows(full[p + "A_log"], rank * hv, hv))
         assert torch.equal(gdn.dt_bias, rows(full[p + "dt_bias"], rank * hv, hv))
@@ -195,7 +203,9 @@ def test_rank_slices(tiny_model_dir: Path, world_size: int) -> None:
                 rows(full[p + "up_proj.weight"], rank * inter, inter),
             ]
         )
-        assert torch.equal(mlp.gate_up_weight, expected_gate_up)
+        assert torch.equal(
+            mlp.gate_up_weight, folded(expected_gate_up, "model.layers.0.post_attention_layernorm.weight")
+        )
         assert torch.equal(
             mlp.down_weight, full[p + "down_proj.weight"][:, rank * inter : (rank + 1) * inter]
         )
