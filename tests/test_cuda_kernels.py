@@ -45,6 +45,14 @@ def test_rms_norm() -> None:
     assert rel(y, y_ref) <= OUT_TOL and rel(h, h_ref) <= OUT_TOL
     q = rand(64 * HEADS, HEAD_DIM)
     assert rel(rms_norm_triton(q, w[:HEAD_DIM], 1e-6)[0], rms_norm_ref(q, w[:HEAD_DIM], 1e-6)[0]) <= OUT_TOL
+    # No weight: the model's pre-norms, whose (1 + w) is folded into the next linear.
+    y, h = rms_norm_triton(x, None, 1e-6, r)
+    y_ref, h_ref = rms_norm_ref(x, None, 1e-6, r)
+    assert (
+        rel(y, y_ref) <= OUT_TOL
+        and rel(h, h_ref) <= OUT_TOL
+        and rel(y, rms_norm_ref(x, w, 1e-6, r)[0]) > OUT_TOL
+    )
 
 
 def test_gated_rms_norm_with_strided_gate() -> None:

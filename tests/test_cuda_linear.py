@@ -348,6 +348,6 @@ def test_cublas_race_decides_each_key_once_and_both_answers_are_right(
         ref = F.linear(x.float(), w.float())
         first = linear_triton(x, w)  # tunes, then races the tuned kernel against cuBLAS
         block_m = 1 if m == 1 else 64
-        key = ("gemv" if m == 1 else "gemm", 2560, 9216, block_m, False, False, BF16, BF16)
+        key = ("gemv" if m == 1 else "gemm", 2560, 9216, block_m, False, "none", BF16, BF16)
         assert key in linear_triton_module._cublas_faster, f"M={m}: no backend decision recorded"
         assert rel(first, ref) <= TOL and rel(linear_triton(x, w), ref) <= TOL
