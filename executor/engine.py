@@ -25,7 +25,8 @@ import structlog
 from executor.errors import ExecutorPoisoned
 from executor.events import ErrorEvent, Event, FinishEvent, TokenEvent
 from executor.requests import GenerationParams, Request, RequestIds
-from executor.scheduler import Scheduler, SchedulerStats, StepExecutor
+from executor.scheduler import Scheduler, SchedulerStats
+from executor.step_contract import StepExecutor
 from executor.stream import RequestStream
 
 __all__ = [

@@ -35,7 +35,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 import msgspec
 import structlog
@@ -44,51 +44,25 @@ from executor.events import Event, FinishEvent, FinishReason, TokenEvent
 from executor.pages import PagePool, pages_for_tokens
 from executor.requests import Phase, Request
 from executor.slots import DenseSlots
+from executor.step_contract import (
+    PIPELINE_CALLS,
+    ArtifactError,
+    PipelinedExecutor,
+    StepExecutor,
+    align_results,
+    token_event,
+)
 from protocol.messages import (
     FED_TOKEN,
-    Capacity,
     DecodeDone,
     DecodeRow,
     Expectation,
     PrefillChunk,
-    PrefillDone,
-    SlotMove,
     TokenResult,
-    UnifiedDone,
 )
 from protocol.packing import pack_ids
 
 log = structlog.get_logger("phalanx.scheduler")
-
-
-class StepExecutor(Protocol):
-    """The part of the executor the scheduler drives (see executor_api)."""
-
-    @property
-    def capacity(self) -> Capacity: ...
-
-    def prefill(self, chunks: list[PrefillChunk]) -> PrefillDone: ...
-
-    def decode(self, rows: list[DecodeRow]) -> DecodeDone: ...
-
-    def unified(self, chunks: list[PrefillChunk], rows: list[DecodeRow]) -> UnifiedDone: ...
-
-    def drop(self, request_id: int, expectation: Expectation, move: SlotMove | None = None) -> None: ...
-
-
-class PipelinedExecutor(StepExecutor, Protocol):
-    """An executor that can have a step in flight while it sends the next (``pipeline=True``)."""
-
-    def send_decode(self, rows: list[DecodeRow]) -> Any: ...
-
-    def collect_decode(self, step: Any) -> DecodeDone: ...
-
-    def send_prefill(self, chunks: list[PrefillChunk]) -> Any: ...
-
-    def collect_prefill(self, step: Any) -> PrefillDone: ...
-
-
-_PIPELINE_CALLS = ("send_decode", "collect_decode", "send_prefill", "collect_prefill")
 
 
 @dataclass
@@ -105,10 +79,6 @@ class _PrefillInFlight:
     handle: Any
 
 
-class ArtifactError(RuntimeError):
-    """Rank 0's results do not match the rows of the step: the replica can no longer be trusted."""
-
-
 @dataclass(frozen=True)
 class SchedulerStats:
     running: int
@@ -119,33 +89,6 @@ class SchedulerStats:
     slots_total: int
     steps: int
     last_step_seconds: float
-
-
-def align_results(op: str, results: Sequence[TokenResult], expected: Sequence[int]) -> dict[int, TokenResult]:
-    """Exactly one result per expected request id, in any order."""
-    wanted = set(expected)
-    aligned: dict[int, TokenResult] = {}
-    for result in results:
-        if result.request_id not in wanted:
-            raise ArtifactError(
-                f"invalid {op} artifact set: returned unknown or non-final request id {result.request_id}"
-            )
-        if result.request_id in aligned:
-            raise ArtifactError(
-                f"invalid {op} artifact set: returned duplicate request id {result.request_id}"
-            )
-        aligned[result.request_id] = result
-    for request_id in expected:
-        if request_id not in aligned:
-            raise ArtifactError(f"invalid {op} artifact set: is missing final request id {request_id}")
-    return aligned
-
-
-def token_event(result: TokenResult) -> TokenEvent:
-    top = None
-    if result.top_ids is not None and result.top_logprobs is not None:
-        top = list(zip(result.top_ids, result.top_logprobs, strict=True))
-    return TokenEvent(token_id=result.token, logprob=result.logprob, top_logprobs=top)
 
 
 class Scheduler:
@@ -169,9 +112,9 @@ class Scheduler:
         self.requests: dict[int, Request] = {}
         self.steps = 0
         self.last_step_seconds = 0.0
-        if pipeline and not all(hasattr(executor, name) for name in _PIPELINE_CALLS):
+        if pipeline and not all(hasattr(executor, name) for name in PIPELINE_CALLS):
             raise TypeError(
-                f"pipelined decode needs {', '.join(_PIPELINE_CALLS[:-1])} and {_PIPELINE_CALLS[-1]}; "
+                f"pipelined decode needs {', '.join(PIPELINE_CALLS[:-1])} and {PIPELINE_CALLS[-1]}; "
                 f"{type(executor).__name__} has not"
             )
         self.pipeline = pipeline

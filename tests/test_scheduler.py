@@ -13,8 +13,9 @@ from fake_ranks import FakeRanks, RankStateError
 from executor.events import Event, FinishEvent, TokenEvent
 from executor.pages import PagePool
 from executor.requests import GenerationParams, Phase, Request
-from executor.scheduler import ArtifactError, Scheduler, align_results
+from executor.scheduler import Scheduler
 from executor.slots import DenseSlots
+from executor.step_contract import ArtifactError, align_results
 from protocol.messages import FED_TOKEN, NO_FEED, Capacity, Expectation, SlotMove, TokenResult
 
 

@@ -1,0 +1,84 @@
+"""What the scheduler and the executor owe each other: the calls the scheduler makes on the
+executor (``StepExecutor``; ``PipelinedExecutor`` to keep a step in flight), and the check that a
+step's answer holds exactly one result per row it was sent (``align_results``), which raises
+``ArtifactError``, since a replica whose rank 0 answers other rows can no longer be trusted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from executor.events import TokenEvent
+from protocol.messages import (
+    Capacity,
+    DecodeDone,
+    DecodeRow,
+    Expectation,
+    PrefillChunk,
+    PrefillDone,
+    SlotMove,
+    TokenResult,
+    UnifiedDone,
+)
+
+
+class StepExecutor(Protocol):
+    """The part of the executor the scheduler drives (``executor.runtime.Executor`` is it)."""
+
+    @property
+    def capacity(self) -> Capacity: ...
+
+    def prefill(self, chunks: list[PrefillChunk]) -> PrefillDone: ...
+
+    def decode(self, rows: list[DecodeRow]) -> DecodeDone: ...
+
+    def unified(self, chunks: list[PrefillChunk], rows: list[DecodeRow]) -> UnifiedDone: ...
+
+    def drop(self, request_id: int, expectation: Expectation, move: SlotMove | None = None) -> None: ...
+
+
+class PipelinedExecutor(StepExecutor, Protocol):
+    """An executor that can have a step in flight while it sends the next (``pipeline=True``)."""
+
+    def send_decode(self, rows: list[DecodeRow]) -> Any: ...
+
+    def collect_decode(self, step: Any) -> DecodeDone: ...
+
+    def send_prefill(self, chunks: list[PrefillChunk]) -> Any: ...
+
+    def collect_prefill(self, step: Any) -> PrefillDone: ...
+
+
+PIPELINE_CALLS = ("send_decode", "collect_decode", "send_prefill", "collect_prefill")
+
+
+class ArtifactError(RuntimeError):
+    """Rank 0's results do not match the rows of the step: the replica can no longer be trusted."""
+
+
+def align_results(op: str, results: Sequence[TokenResult], expected: Sequence[int]) -> dict[int, TokenResult]:
+    """Exactly one result per expected request id, in any order."""
+    wanted = set(expected)
+    aligned: dict[int, TokenResult] = {}
+    for result in results:
+        if result.request_id not in wanted:
+            raise ArtifactError(
+                f"invalid {op} artifact set: returned unknown or non-final request id {result.request_id}"
+            )
+        if result.request_id in aligned:
+            raise ArtifactError(
+                f"invalid {op} artifact set: returned duplicate request id {result.request_id}"
+            )
+        aligned[result.request_id] = result
+    for request_id in expected:
+        if request_id not in aligned:
+            raise ArtifactError(f"invalid {op} artifact set: is missing final request id {request_id}")
+    return aligned
+
+
+def token_event(result: TokenResult) -> TokenEvent:
+    top = None
+    if result.top_ids is not None and result.top_logprobs is not None:
+        top = list(zip(result.top_ids, result.top_logprobs, strict=True))
+    return TokenEvent(token_id=result.token, logprob=result.logprob, top_logprobs=top)
