@@ -64,7 +64,7 @@ class GenerationParams:
 
 class Phase(enum.Enum):
     WAITING = "waiting"  # queued; nothing reserved, nothing sent to the ranks
-    PREFILLING = "prefilling"  # slot and pages reserved; ``cursor`` prompt tokens are cached
+    PREFILLING = "prefilling"  # slot and pages reserved; ``cursor`` prompt tokens sent to the ranks
     READY = "ready"  # prompt cached, first token sampled; state still prefill-owned on the ranks
     DECODING = "decoding"  # holds a dense decode slot
     DONE = "done"

@@ -139,9 +139,17 @@ class Executor:
         return self._validated(lambda: responses.validate_decode(replies, self.world_size))
 
     def unified(self, chunks: list[PrefillChunk], rows: list[DecodeRow]) -> UnifiedDone:
+        return self.collect_unified(self.send_unified(chunks, rows))
+
+    def send_unified(self, chunks: list[PrefillChunk], rows: list[DecodeRow]) -> InFlight:
+        """Send a unified step without waiting for it (its decode rows may be FED from the step
+        before); ``collect_unified`` reads its result."""
         self._poison.ensure_healthy()
         checks.check_unified(chunks, rows, self.capacity, self.model_info.vocab_size)
-        replies = self._step("unified", Unified(chunks, rows))
+        return self._send("unified", Unified(chunks, rows))
+
+    def collect_unified(self, step: InFlight) -> UnifiedDone:
+        replies = self._collect(step)
         return self._validated(lambda: responses.validate_unified(replies, self.world_size))
 
     def drop(self, request_id: int, expectation: Expectation, move: SlotMove | None = None) -> None:

@@ -12,18 +12,19 @@ One tick (``step``) runs in this order:
 5. align the artifacts to the rows, decode results first: finished requests are retired (drop
    with compaction) before their last token and finish event are published, then prompt results.
 
-Pipelined decode (``pipeline=True``): while nothing but decoding is to be done (nobody waiting,
-prefilling or cancelled), a Decode is sent without waiting for its result, and each later tick
-sends the next step (its rows ``FED_TOKEN``: the ranks feed what they sampled) before it reads the
-previous one, so the GPU never waits for the round trip. A row whose request reaches its
-``max_tokens`` in the step being read is not continued: that tick reads the step and stops. When a
-request stops on EOS, the step already sent behind it is read too (its token for the finished
-request is discarded), then the finished requests are retired; any other need (a new request, a
-cancellation) waits for the step in flight, at most one step. A prefill-only step that ends every
-prompt being prefilled, with nothing else to do, is sent the same way: its requests take their
-decode slots at once, each last chunk names its slot (``feed_slot``), and the first decode follows
-``FED_TOKEN`` before the prefill's answer is read, so the GPU does not wait for that round trip
-either. A request that its prefill's token finishes (EOS) is retired once that decode is read.
+Pipelined decode (``pipeline=True``): a step with decode rows (a Decode, or a Unified when prompt
+chunks ride along) is sent without waiting for its result, and each later tick sends the next
+step before it reads the previous one, so the GPU never waits for the round trip. The next step's
+rows continue the previous one's ``FED_TOKEN`` (the ranks feed what they sampled); requests whose
+prefill was read meanwhile join it with their first token, and new requests' prompt chunks ride
+along in a Unified. A row whose request reaches its ``max_tokens`` in the step being read is not
+continued: that tick reads the step and stops. When a request stops on EOS (at a decode row or at
+its prefill), the step already sent behind it is read too (its token for the finished request is
+discarded), then the finished requests are retired. A cancellation waits for the step in flight,
+at most one step. A prefill-only step that ends every prompt being prefilled, with nothing else to
+do, is sent the same way: its requests take their decode slots at once, each last chunk names its
+slot (``feed_slot``), and the first decode follows ``FED_TOKEN`` before the prefill's answer is
+read. A request that its prefill's token finishes (EOS) is retired once that decode is read.
 
 The scheduler is single-threaded: the engine calls ``add``, ``cancel`` and ``step`` from its
 scheduler thread only.
@@ -34,7 +35,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import msgspec
@@ -54,7 +55,6 @@ from executor.step_contract import (
 )
 from protocol.messages import (
     FED_TOKEN,
-    DecodeDone,
     DecodeRow,
     Expectation,
     PrefillChunk,
@@ -69,6 +69,7 @@ log = structlog.get_logger("phalanx.scheduler")
 class _InFlight:
     rows: list[DecodeRow]
     handle: Any  # the executor's token for collecting the step
+    planned: list[tuple[Request, PrefillChunk]] = field(default_factory=list)  # a Unified's chunks
 
 
 @dataclass
@@ -185,14 +186,14 @@ class Scheduler:
         started = time.perf_counter()
         decoded: Sequence[TokenResult] = ()
         prefilled: Sequence[TokenResult] = ()
-        if rows and chunks:
-            done = self.executor.unified(chunks, rows)
-            decoded, prefilled = done.decode, done.prefill
-        elif rows and self.pipeline and self._only_decoding():
-            self._in_flight = _InFlight(rows, self._pipelined.send_decode(rows))
+        if rows and self.pipeline:
+            self._in_flight = self._send(rows, planned)
             self.steps += 1
             self.last_step_seconds = time.perf_counter() - started
             return True
+        if rows and chunks:
+            done = self.executor.unified(chunks, rows)
+            decoded, prefilled = done.decode, done.prefill
         elif rows:
             decoded = self.executor.decode(rows).results
         elif self._feeds_first_decode(planned):
@@ -211,45 +212,55 @@ class Scheduler:
 
     # -- pipelined decode -------------------------------------------------------------------
 
-    def _only_decoding(self) -> bool:
-        """Nothing but decode to do: a step may be sent before the last one is read."""
-        return not (self.waiting or self.prefilling or self.ready) and not any(
-            request.cancelled for request in self.requests.values()
-        )
+    def _cancelling(self) -> bool:
+        return any(request.cancelled for request in self.requests.values())
 
     def _continued(self, row: DecodeRow) -> DecodeRow | None:
         """The row's next step, fed from the ranks, unless its request ends at this one by length."""
         request = self.requests[row.request_id]
         if len(request.output) + 1 >= request.params.max_tokens:
             return None
-        position = row.position + 1
-        return DecodeRow(
-            request_id=row.request_id,
-            slot=row.slot,
-            token=FED_TOKEN,
-            position=position,
-            page_ids=pack_ids(request.pages[: pages_for_tokens(position + 1, self.pages.page_size)]),
-            sampling=row.sampling,
-        )
+        return self._row(row.slot, request, FED_TOKEN, row.position + 1)
 
     @property
     def _pipelined(self) -> PipelinedExecutor:
         return cast(PipelinedExecutor, self.executor)
 
+    def _send(self, rows: list[DecodeRow], planned: list[tuple[Request, PrefillChunk]]) -> _InFlight:
+        """Send a step without reading it: a Decode, or a Unified with prompt chunks."""
+        executor = self._pipelined
+        if not planned:
+            return _InFlight(rows, executor.send_decode(rows))
+        return _InFlight(rows, executor.send_unified([chunk for _, chunk in planned], rows), planned)
+
+    def _send_behind(self, current: _InFlight) -> _InFlight | None:
+        """The step after ``current``, sent before ``current`` is read: its rows fed from it, the
+        requests that became ready since joining with their first token, and new prompt chunks
+        beside them. None when a row of ``current`` ends its request by length."""
+        continued = [self._continued(row) for row in current.rows]
+        rows = [row for row in continued if row is not None]
+        if len(rows) < len(continued):
+            return None
+        running = len(rows)
+        self._admit_ready()
+        for slot, request_id in enumerate(self.slots.owners[running:], start=running):
+            request = self.requests[request_id]
+            rows.append(self._row(slot, request, request.output[-1], request.next_position))
+        self._admit()
+        planned = self._plan_prefill(self.max_batch_tokens - len(rows))
+        self.steps += 1
+        return self._send(rows, planned)
+
     def _continue_pipeline(
         self, current: _InFlight, ended: dict[int, tuple[TokenEvent, FinishReason]]
     ) -> None:
-        """Send the step after ``current`` (when nothing else is to be done), then read ``current``.
-        ``ended``: requests whose prefill, read just before, finished them (``current`` carries
-        them: their tokens in it are discarded, then they are retired)."""
-        executor = self._pipelined
+        """Send the step after ``current`` (unless a request is being cancelled), then read
+        ``current``. ``ended``: requests whose prefill, read just before, finished them
+        (``current`` carries them: their tokens in it are discarded, then they are retired)."""
         following = None
-        if not ended and self._only_decoding():
-            rows = [self._continued(row) for row in current.rows]
-            if all(row is not None for row in rows):
-                following = _InFlight(rows, executor.send_decode(rows))
-                self.steps += 1
-        finished = self._take_live_decode(current, executor.collect_decode(current.handle), set(ended))
+        if not ended and not self._cancelling():
+            following = self._send_behind(current)
+        finished = self._read(current, set(ended))
         finished += [
             (row.slot, self.requests[row.request_id], *ended[row.request_id])
             for row in current.rows
@@ -259,19 +270,29 @@ class Scheduler:
         if following is not None and finished:
             # The step behind carries the finished requests: read it before they are dropped.
             gone = {request.request_id for _, request, _, _ in finished}
-            finished += self._take_live_decode(following, executor.collect_decode(following.handle), gone)
+            finished += self._read(following, gone)
         self._retire_finished(finished)
 
+    def _read(self, step: _InFlight, ended: set[int]) -> list[tuple[int, Request, TokenEvent, FinishReason]]:
+        """Collect ``step`` and take its tokens (those of ``ended`` requests discarded); returns
+        the requests that finished (a request finished at its prefill has no slot: -1)."""
+        executor = self._pipelined
+        if not step.planned:
+            return self._take_live_decode(step.rows, executor.collect_decode(step.handle).results, ended)
+        done = executor.collect_unified(step.handle)
+        finished = self._take_live_decode(step.rows, done.decode, ended, op="unified")
+        return finished + self._take_prefill("unified", step.planned, done.prefill)
+
     def _take_live_decode(
-        self, step: _InFlight, done: DecodeDone, ended: set[int]
+        self, rows: list[DecodeRow], results: Sequence[TokenResult], ended: set[int], op: str = "decode"
     ) -> list[tuple[int, Request, TokenEvent, FinishReason]]:
-        """``_take_decode`` of ``step``'s rows whose requests have not ended; the tokens the step
-        sampled for ended requests are discarded."""
+        """``_take_decode`` of the rows whose requests have not ended; the tokens the step sampled
+        for ended requests are discarded."""
         if not ended:  # the steady pipeline: every row's token is taken, aligned once
-            return self._take_decode("decode", step.rows, done.results)
-        aligned = align_results("decode", done.results, [row.request_id for row in step.rows])
-        rows = [row for row in step.rows if row.request_id not in ended]
-        return self._take_decode("decode", rows, [aligned[row.request_id] for row in rows])
+            return self._take_decode(op, rows, results)
+        aligned = align_results(op, results, [row.request_id for row in rows])
+        live = [row for row in rows if row.request_id not in ended]
+        return self._take_decode(op, live, [aligned[row.request_id] for row in live])
 
     # -- a prefill's first decode, pipelined ------------------------------------------------
 
@@ -293,19 +314,8 @@ class Scheduler:
             slot = self.slots.admit(request.request_id)
             self.prefilling.remove(request)
             request.phase = Phase.DECODING
-            request.cursor += len(chunk.tokens) // 4
             chunks.append(msgspec.structs.replace(chunk, feed_slot=slot))
-            position = len(request.prompt)
-            rows.append(
-                DecodeRow(
-                    request_id=request.request_id,
-                    slot=slot,
-                    token=FED_TOKEN,
-                    position=position,
-                    page_ids=pack_ids(request.pages[: pages_for_tokens(position + 1, self.pages.page_size)]),
-                    sampling=request.sampling,
-                )
-            )
+            rows.append(self._row(slot, request, FED_TOKEN, len(request.prompt)))
         executor = self._pipelined
         self._prefill_in_flight = _PrefillInFlight(planned, executor.send_prefill(chunks))
         self._in_flight = _InFlight(rows, executor.send_decode(rows))
@@ -343,31 +353,38 @@ class Scheduler:
             request.phase = Phase.PREFILLING
             self.prefilling.append(request)
 
-    def _plan_decode(self) -> list[DecodeRow]:
+    def _admit_ready(self) -> None:
+        """Requests whose prompt is cached take the next dense slots."""
         for request in self.ready:
             self.slots.admit(request.request_id)
             request.phase = Phase.DECODING
         self.ready.clear()
-        rows = []
-        for slot, request_id in enumerate(self.slots.owners):
-            request = self.requests[request_id]
-            position = request.next_position
-            page_ids = request.pages[: pages_for_tokens(position + 1, self.pages.page_size)]
-            rows.append(
-                DecodeRow(
-                    request_id=request_id,
-                    slot=slot,
-                    token=request.output[-1],
-                    position=position,
-                    page_ids=pack_ids(page_ids),
-                    sampling=request.sampling,
-                )
-            )
-        return rows
+
+    def _row(self, slot: int, request: Request, token: int, position: int) -> DecodeRow:
+        page_ids = request.pages[: pages_for_tokens(position + 1, self.pages.page_size)]
+        return DecodeRow(
+            request_id=request.request_id,
+            slot=slot,
+            token=token,
+            position=position,
+            page_ids=pack_ids(page_ids),
+            sampling=request.sampling,
+        )
+
+    def _plan_decode(self) -> list[DecodeRow]:
+        self._admit_ready()
+        return [
+            self._row(slot, request, request.output[-1], request.next_position)
+            for slot, request in ((slot, self.requests[rid]) for slot, rid in enumerate(self.slots.owners))
+        ]
 
     def _plan_prefill(self, budget: int) -> list[tuple[Request, PrefillChunk]]:
+        """The next prompt chunks within ``budget`` tokens; each request's cursor moves past its
+        chunk here (the chunk is sent in this tick), so a step in flight is never planned twice."""
         planned = []
         for request in self.prefilling:
+            if request.cursor == len(request.prompt):
+                continue  # every chunk sent: its last one's answer is still in flight
             if budget <= 0:
                 break
             end = min(len(request.prompt), request.cursor + budget)
@@ -381,6 +398,7 @@ class Scheduler:
                 sampling=request.sampling,
             )
             planned.append((request, chunk))
+            request.cursor = end
         return planned
 
     # -- results ----------------------------------------------------------------------------
@@ -433,9 +451,16 @@ class Scheduler:
     def _apply_prefill(
         self, op: str, planned: list[tuple[Request, PrefillChunk]], results: Sequence[TokenResult]
     ) -> None:
+        self._retire_finished(self._take_prefill(op, planned, results))
+
+    def _take_prefill(
+        self, op: str, planned: list[tuple[Request, PrefillChunk]], results: Sequence[TokenResult]
+    ) -> list[tuple[int, Request, TokenEvent, FinishReason]]:
+        """Each finished prompt's first token: its request is ready for decode; returns those it
+        finished (no slot: -1), to retire."""
         aligned = align_results(op, results, [chunk.request_id for _, chunk in planned if chunk.last])
+        finished: list[tuple[int, Request, TokenEvent, FinishReason]] = []
         for request, chunk in planned:
-            request.cursor += len(chunk.tokens) // 4
             if not chunk.last:
                 continue
             self.prefilling.remove(request)
@@ -443,7 +468,8 @@ class Scheduler:
             request.phase = Phase.READY
             event, reason = self._append_token(request, aligned[request.request_id])
             if reason is not None:
-                self._retire(request, reason, held=(event,))
+                finished.append((-1, request, event, reason))
+        return finished
 
     # -- retirement -------------------------------------------------------------------------
 

@@ -49,8 +49,19 @@ class PipelinedExecutor(StepExecutor, Protocol):
 
     def collect_prefill(self, step: Any) -> PrefillDone: ...
 
+    def send_unified(self, chunks: list[PrefillChunk], rows: list[DecodeRow]) -> Any: ...
 
-PIPELINE_CALLS = ("send_decode", "collect_decode", "send_prefill", "collect_prefill")
+    def collect_unified(self, step: Any) -> UnifiedDone: ...
+
+
+PIPELINE_CALLS = (
+    "send_decode",
+    "collect_decode",
+    "send_prefill",
+    "collect_prefill",
+    "send_unified",
+    "collect_unified",
+)
 
 
 class ArtifactError(RuntimeError):

@@ -16,14 +16,15 @@ Lifecycle of a rank, as seen on the wire::
 Rank 0 is the primary: it samples and returns the token payloads; every other rank answers a
 Prefill/Decode/Unified with Ack. A DropRequest is answered with DropAck by every rank.
 
-Pipelined decode: the coordinator may send the next Decode before it has read the previous one's
-result, so that the GPU never waits for the round trip. Such a step's rows carry ``FED_TOKEN``
-instead of a token: each rank feeds the token that rank 0 sampled for the request in the previous
-command (rank 0 shares it with the other ranks first). A request's first decode may follow its
-Prefill that way too: the prompt's last chunk names the decode slot it feeds (``feed_slot``).
-Rank 0 answers a Decode as soon as its tokens are on the host. If the next command arrives before
-that and is a Decode, rank 0 launches it first, then answers; any other command runs only after
-the answer is out. Replies always leave a rank in seq order.
+Pipelined decode: the coordinator may send the next Decode or Unified before it has read the
+previous one's result, so that the GPU never waits for the round trip. Such a step's rows carry
+``FED_TOKEN`` instead of a token: each rank feeds the token that rank 0 sampled for the request in
+the previous command (rank 0 shares it with the other ranks first); rows of requests whose first
+token the coordinator has read carry it as usual. A request's first decode may follow its Prefill
+that way too: the prompt's last chunk names the decode slot it feeds (``feed_slot``). Rank 0
+answers a Decode or Unified as soon as its tokens are on the host. If the next command arrives
+before that and is a Decode or Unified, rank 0 launches it first, then answers; any other command
+runs only after the answer is out. Replies always leave a rank in seq order.
 """
 
 from __future__ import annotations

@@ -63,7 +63,7 @@ class FakeRanks:
         self.fail_on_drop_of: int | None = None
         self._fed_from: dict[int, int] = {}  # request id -> slot of the last command's decode rows
         self._uncollected: list[int] = []  # handles of pipelined decodes not read yet, oldest first
-        self._results: dict[int, DecodeDone | PrefillDone] = {}
+        self._results: dict[int, DecodeDone | PrefillDone | UnifiedDone] = {}
         self._feeds: dict[int, int] = {}  # request id -> slot the last prefill fed
         self.most_in_flight = 0
 
@@ -179,17 +179,17 @@ class FakeRanks:
     def collect_prefill(self, handle: int) -> PrefillDone:
         done = self._collect(handle)
         if not isinstance(done, PrefillDone):
-            raise RankStateError(f"step {handle} is a decode, collected as a prefill")
+            raise RankStateError(f"step {handle} is not a prefill, collected as one")
         return done
 
-    def _hold(self, done: DecodeDone | PrefillDone) -> int:
+    def _hold(self, done: DecodeDone | PrefillDone | UnifiedDone) -> int:
         handle = len(self.commands)
         self._results[handle] = done
         self._uncollected.append(handle)
         self.most_in_flight = max(self.most_in_flight, len(self._uncollected))
         return handle
 
-    def _collect(self, handle: int) -> DecodeDone | PrefillDone:
+    def _collect(self, handle: int) -> DecodeDone | PrefillDone | UnifiedDone:
         if not self._uncollected or self._uncollected[0] != handle:
             raise RankStateError(f"step {handle} collected out of order (in flight: {self._uncollected})")
         self._uncollected.pop(0)
@@ -208,13 +208,25 @@ class FakeRanks:
     def collect_decode(self, handle: int) -> DecodeDone:
         done = self._collect(handle)
         if not isinstance(done, DecodeDone):
-            raise RankStateError(f"step {handle} is a prefill, collected as a decode")
+            raise RankStateError(f"step {handle} is not a decode, collected as one")
         return done
 
     def unified(self, chunks: list[PrefillChunk], rows: list[DecodeRow]) -> UnifiedDone:
-        self.commands.append(("unified", (chunks, rows)))
         if self._uncollected:
-            raise RankStateError("unified sent while decode steps are uncollected")
+            raise RankStateError("a blocking unified sent while steps are uncollected")
+        return self._unified(chunks, rows)
+
+    def send_unified(self, chunks: list[PrefillChunk], rows: list[DecodeRow]) -> int:
+        return self._hold(self._unified(chunks, rows))
+
+    def collect_unified(self, handle: int) -> UnifiedDone:
+        done = self._collect(handle)
+        if not isinstance(done, UnifiedDone):
+            raise RankStateError(f"step {handle} is not a unified step, collected as one")
+        return done
+
+    def _unified(self, chunks: list[PrefillChunk], rows: list[DecodeRow]) -> UnifiedDone:
+        self.commands.append(("unified", (chunks, rows)))
         if not chunks or not rows:
             raise RankStateError("unified step needs both halves")
         if {c.request_id for c in chunks} & {r.request_id for r in rows}:

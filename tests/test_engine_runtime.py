@@ -85,6 +85,9 @@ class HeldExecutor:
     def unified(self, chunks, rows):
         return self._call("unified", chunks, rows)
 
+    def send_unified(self, chunks, rows):  # a pipelined unified step: held (if asked) once sent
+        return self._call("unified", chunks, rows, method="send_unified")
+
     def drop(self, request_id, expectation, move=None):
         return self._call("drop", request_id, expectation, move)
 

@@ -392,16 +392,49 @@ def _pipelining(ticks: int) -> tuple[FakeRanks, Scheduler, Request, Sink]:
     return ranks, sched, request, sink
 
 
-def test_a_new_request_waits_for_the_step_in_flight_only() -> None:
-    ranks, sched, _, first = _pipelining(4)
-    _, second = submit(sched, [3], max_tokens=3, ignore_eos=True)
-    sent = len(ranks.commands)
-    sched.step()  # reads the step in flight, sends nothing
-    assert len(ranks.commands) == sent
-    sched.step()  # a unified step: the new prompt beside the running decode
-    assert ranks.commands[-1][0] == "unified"
+def test_a_new_request_rides_along_the_pipeline_in_a_unified_step_then_joins_it() -> None:
+    """A request that arrives while the pipeline runs does not stop it: its prompt goes out in a
+    Unified sent behind the step in flight, beside that step's fed rows, and once that Unified is
+    read its request joins the next step with its first token (the others still fed)."""
+    ranks, sched = make()
+    _, first_alone = submit(sched, [1, 2], max_tokens=20, ignore_eos=True)
+    _, second_alone = submit(sched, [3], max_tokens=3, ignore_eos=True)
     run(sched)
-    assert len(first.tokens) == 20 and len(second.tokens) == 3
+    ranks, sched, first_request, first = _pipelining(4)
+    second_request, second = submit(sched, [3], max_tokens=3, ignore_eos=True)
+    sent = len(ranks.commands)
+    sched.step()  # the Unified goes out before the step in flight is read
+    kind, (chunks, rows) = ranks.commands[sent]
+    assert kind == "unified" and [chunk.request_id for chunk in chunks] == [second_request.request_id]
+    assert [(row.slot, row.token) for row in rows] == [(0, FED_TOKEN)]
+    assert ranks.most_in_flight == 2
+    sched.step()  # the decode behind the Unified: the first request fed, the new one not yet ready
+    kind, rows = ranks.commands[sent + 1]
+    assert kind == "decode" and [(row.slot, row.token) for row in rows] == [(0, FED_TOKEN)]
+    sched.step()  # the Unified was read: the new request joins with its first token
+    kind, rows = ranks.commands[sent + 2]
+    assert kind == "decode" and [row.request_id for row in rows] == [
+        first_request.request_id,
+        second_request.request_id,
+    ]
+    assert rows[0].token == FED_TOKEN and rows[1].token == second.tokens[0] == second_alone.tokens[0]
+    run(sched)
+    assert first.tokens == first_alone.tokens and second.tokens == second_alone.tokens
+    assert ranks.most_in_flight == 2
+    assert_pools_full(ranks, sched)
+
+
+def test_a_prompt_in_chunks_rides_along_the_pipeline_one_chunk_a_step() -> None:
+    ranks, sched = make()
+    long_prompt = list(range(1, 21))  # 20 tokens, over the 16-token budget with a decode row
+    _, alone = submit(sched, long_prompt, max_tokens=4, ignore_eos=True)
+    run(sched)
+    ranks, sched, _, first = _pipelining(4)
+    _, second = submit(sched, long_prompt, max_tokens=4, ignore_eos=True)
+    run(sched)
+    starts = [chunk.start for kind, body in ranks.commands if kind == "unified" for chunk in body[0]]
+    assert starts == sorted(set(starts)) and starts[0] == 0 and len(starts) >= 2  # never sent twice
+    assert second.tokens == alone.tokens and len(first.tokens) == 20
     assert_pools_full(ranks, sched)
 
 
@@ -420,8 +453,8 @@ def test_pipelining_needs_an_executor_that_can_keep_a_step_in_flight() -> None:
 
     with pytest.raises(
         TypeError,
-        match="^pipelined decode needs send_decode, collect_decode, send_prefill and collect_prefill; "
-        "Blocking has not$",
+        match="^pipelined decode needs send_decode, collect_decode, send_prefill, collect_prefill, "
+        "send_unified and collect_unified; Blocking has not$",
     ):
         Scheduler(Blocking(), (0,), pipeline=True)
 

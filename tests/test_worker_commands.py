@@ -27,6 +27,8 @@ from protocol.messages import (
     PrefillDone,
     Shutdown,
     SlotMove,
+    Unified,
+    UnifiedDone,
 )
 from protocol.packing import pack_ids
 from protocol.transport import CoordinatorSocket, RankSocket, RuntimeDir
@@ -221,6 +223,18 @@ def test_fed_rows_decode_the_tokens_sampled_in_the_step_before(model: Qwen35Mode
     assert [[r.token for r in s.results()] for s in steps] == told
 
 
+def test_a_unified_steps_fed_rows_decode_the_tokens_of_the_decode_before(model: Qwen35Model) -> None:
+    """A pipelined Unified: request 2's prompt beside request 1's row fed from the Decode before;
+    the same tokens as with request 1's token told."""
+    explicit, (token,) = _prefilled(model, [[4, 5]])
+    second = explicit.decode([_row(1, 0, 2, [0, 1], token=token)]).results()[0].token
+    told = explicit.unified([_chunk(2, [6, 7], 0, [2, 3])], [_row(1, 0, 3, [0, 1], token=second)]).reply()
+    fed, (token,) = _prefilled(model, [[4, 5]])
+    fed.decode([_row(1, 0, 2, [0, 1], token=token)])
+    reply = fed.unified([_chunk(2, [6, 7], 0, [2, 3])], [_row(1, 0, 3, [0, 1], token=FED_TOKEN)]).reply()
+    assert reply == told and len(reply.prefill) == 1 and len(reply.decode) == 1
+
+
 def test_a_fed_row_needs_a_decode_of_its_request_in_the_command_before(model: Qwen35Model) -> None:
     runner, (token_1, token_2) = _prefilled(model, [[4, 5], [6]])
     text = "^decode row of request {} feeds the token sampled by the previous command, which did not decode the request in slot {}$"
@@ -328,6 +342,39 @@ def test_loop_launches_the_next_decode_before_it_answers_the_last(model: Qwen35M
         land.set()  # its tokens land: answered without another command
         assert peer.reply().seq == 4
         peer.send(Shutdown(), seq=5)
+        assert peer.reply().body == Ack()
+    finally:
+        peer.close()
+    assert peer.exit_code == EXIT_OK
+
+
+def test_loop_launches_a_unified_step_before_it_answers_the_decode_ahead(model: Qwen35Model) -> None:
+    runner, (token,) = _prefilled(model, [[4, 5]])
+    log: list[tuple[str, int]] = []
+    land = threading.Event()
+    peer = _Coordinator(runner)
+
+    def held_decode(command: Decode) -> PendingDecode:
+        log.append(("launch", 1))
+        return _HeldStep(runner.decode(command.rows), 1, log, land)
+
+    def logged_unified(command: Unified):
+        log.append(("launch", 2))
+        return runner.unified(command.prefill, command.decode)
+
+    peer.loop.register(Decode, held_decode)
+    peer.loop.register(Unified, logged_unified)
+    try:
+        peer.send(Decode([_row(1, 0, 2, [0, 1], token=token)]), seq=1)
+        assert peer.reply(0.3) is None  # its tokens have not landed, and nothing else came
+        peer.send(Unified([_chunk(2, [6, 7], 0, [2, 3])], [_row(1, 0, 3, [0, 1], token=FED_TOKEN)]), seq=2)
+        first, second = peer.reply(), peer.reply()
+        assert log == [("launch", 1), ("launch", 2), ("reply", 1)]
+        assert (first.seq, second.seq) == (1, 2) and isinstance(first.body, DecodeDone)
+        assert (
+            isinstance(second.body, UnifiedDone) and len(second.body.prefill) == len(second.body.decode) == 1
+        )
+        peer.send(Shutdown(), seq=3)
         assert peer.reply().body == Ack()
     finally:
         peer.close()

@@ -3,8 +3,8 @@
 Every command is first checked against this rank's state (unknown request, phase, cached
 length, page coverage, slot owner); a mismatch raises WorkerStateError before any model work.
 Rank 0 samples and returns TokenResults; other ranks return None (the loop answers Ack). A Decode
-on rank 0 returns its step still in flight (``PendingDecode``): the loop answers it once its tokens
-are on the host, after launching the next Decode if that one arrives first.
+or Unified on rank 0 returns its step still in flight (``PendingStep``): the loop answers it once
+its tokens are on the host, after launching the next Decode or Unified if that one arrives first.
 
 Pipelined rows (``FED_TOKEN``) feed the token sampled for their request by the previous command:
 a decode row's, or a Prefill's last chunk that named the slot (``feed_slot``), so a request's first
@@ -21,7 +21,16 @@ import torch
 
 from kernels.host_staging_triton import feed_tokens
 from models.qwen35 import DecodeBatch, PrefillBatch
-from protocol.messages import FED_TOKEN, NO_FEED, DecodeRow, DropRequest, PrefillChunk, TokenResult
+from protocol.messages import (
+    FED_TOKEN,
+    NO_FEED,
+    DecodeDone,
+    DecodeRow,
+    DropRequest,
+    PrefillChunk,
+    TokenResult,
+    UnifiedDone,
+)
 from protocol.packing import unpack_list
 from worker.errors import WorkerStateError
 from worker.faults import fault_point
@@ -46,8 +55,23 @@ class _RowPlan:
     pages: list[int]
 
 
-class PendingDecode:
-    """Rank 0's decode step, launched, its tokens on their way to the host."""
+class PendingStep:
+    """Rank 0's step, launched, its tokens on their way to the host: the loop sends ``reply()``
+    once ``ready()`` says it will not wait for the GPU (``worker/loop.py``)."""
+
+    op = "step"
+
+    def ready(self) -> bool:
+        raise NotImplementedError
+
+    def reply(self) -> DecodeDone | UnifiedDone:
+        raise NotImplementedError
+
+
+class PendingDecode(PendingStep):
+    """A Decode's rows' tokens."""
+
+    op = "decode"
 
     def __init__(self, plans: list[_RowPlan], drawn: DrawnTokens) -> None:
         self._plans = plans
@@ -62,6 +86,42 @@ class PendingDecode:
         return [
             TokenResult(plan.row.request_id, *drawn) for plan, drawn in zip(self._plans, samples, strict=True)
         ]
+
+    def reply(self) -> DecodeDone:
+        return DecodeDone(self.results())
+
+
+class PendingPrefill:
+    """The tokens sampled at a prefill's last chunks (none when no chunk was a prompt's last)."""
+
+    def __init__(self, request_ids: list[int], drawn: DrawnTokens | None) -> None:
+        self._request_ids = request_ids
+        self._drawn = drawn
+
+    def ready(self) -> bool:
+        return self._drawn is None or self._drawn.ready()
+
+    def results(self) -> list[TokenResult]:
+        if self._drawn is None:
+            return []
+        samples = self._drawn.to_host()
+        return [TokenResult(rid, *sample) for rid, sample in zip(self._request_ids, samples, strict=True)]
+
+
+class PendingUnified(PendingStep):
+    """A Unified's prefill half's tokens and its decode half's."""
+
+    op = "unified"
+
+    def __init__(self, prefill: PendingPrefill, decode: PendingDecode) -> None:
+        self._prefill = prefill
+        self._decode = decode
+
+    def ready(self) -> bool:
+        return self._prefill.ready() and self._decode.ready()
+
+    def reply(self) -> UnifiedDone:
+        return UnifiedDone(self._prefill.results(), self._decode.results())
 
 
 class StepRunner:
@@ -193,7 +253,7 @@ class StepRunner:
 
     # -- execution ------------------------------------------------------------------------------
 
-    def _run_prefill(self, plans: list[_ChunkPlan]) -> list[TokenResult] | None:
+    def _run_prefill(self, plans: list[_ChunkPlan]) -> PendingPrefill | None:
         batch = PrefillBatch.build(
             [(plan.tokens, plan.chunk.start, plan.state.state_slot, plan.pages) for plan in plans],
             self.device,
@@ -207,7 +267,7 @@ class StepRunner:
             return None
         final = [index for index, plan in enumerate(plans) if plan.chunk.last]
         if not final:
-            return []
+            return PendingPrefill([], None)
         drawn = draw_tokens(
             logits[final],
             [plans[i].chunk.sampling for i in final],
@@ -222,10 +282,7 @@ class StepRunner:
             picked = torch.tensor([row for row, _ in feeding], device=drawn.tokens.device)
             slots = torch.tensor([slot for _, slot in feeding], device=self.fed_tokens.device)
             self.fed_tokens.index_copy_(0, slots, drawn.tokens.index_select(0, picked))
-        samples = drawn.to_host()
-        return [
-            TokenResult(plans[i].chunk.request_id, *sample) for i, sample in zip(final, samples, strict=True)
-        ]
+        return PendingPrefill([plans[i].chunk.request_id for i in final], drawn)
 
     def _run_decode(self, plans: list[_RowPlan]) -> PendingDecode | None:
         for plan in plans:
@@ -268,20 +325,18 @@ class StepRunner:
 
     def prefill(self, chunks: list[PrefillChunk]) -> list[TokenResult] | None:
         fault_point("prefill", self.rank)
-        plans = self._plan_prefill(chunks)
-        results = self._run_prefill(plans)
+        pending = self._run_prefill(self._plan_prefill(chunks))
         self._fed_from = {chunk.request_id: chunk.feed_slot for chunk in chunks if chunk.feed_slot != NO_FEED}
-        return results
+        return None if pending is None else pending.results()
 
     def decode(self, rows: list[DecodeRow]) -> PendingDecode | None:
         """Launches the step; rank 0 gets it back in flight (``PendingDecode.results``)."""
         fault_point("decode", self.rank)
         return self._run_decode(self._plan_decode(rows))
 
-    def unified(
-        self, chunks: list[PrefillChunk], rows: list[DecodeRow]
-    ) -> tuple[list[TokenResult], list[TokenResult]] | None:
-        """Prefill first, then decode; both halves are checked before either runs."""
+    def unified(self, chunks: list[PrefillChunk], rows: list[DecodeRow]) -> PendingUnified | None:
+        """Prefill first, then decode; both halves are checked before either runs. Rank 0 gets
+        the step back in flight (``PendingUnified.reply``)."""
         fault_point("unified", self.rank)
         for chunk in chunks:
             if chunk.feed_slot != NO_FEED:
@@ -295,11 +350,11 @@ class StepRunner:
                 raise WorkerStateError(f"request {row.request_id} appears in both prefill and decode")
         decode_plans = self._plan_decode(rows)
         prefill_plans = self._plan_prefill(chunks)
-        prefill_results = self._run_prefill(prefill_plans)
+        prefill_step = self._run_prefill(prefill_plans)
         decode_step = self._run_decode(decode_plans)
-        if prefill_results is None or decode_step is None:
+        if prefill_step is None or decode_step is None:
             return None
-        return prefill_results, decode_step.results()
+        return PendingUnified(prefill_step, decode_step)
 
     def drop(self, command: DropRequest) -> bool:
         """Forget a request (and apply the slot compaction); returns whether it existed here."""

@@ -26,7 +26,6 @@ from protocol.messages import (
     Ack,
     Cancel,
     Decode,
-    DecodeDone,
     DropAck,
     DropRequest,
     Failed,
@@ -38,10 +37,9 @@ from protocol.messages import (
     ReplyEnvelope,
     Shutdown,
     Unified,
-    UnifiedDone,
 )
 from protocol.transport import RankSocket
-from worker.commands import PendingDecode, StepRunner
+from worker.commands import PendingStep, StepRunner
 from worker.errors import WorkerStateError
 from worker.faults import fault_point
 from worker.logs import bind_seq
@@ -76,8 +74,8 @@ class CommandLoop:
         self.last_seq = 0
         self.rejected_frames = 0
         self.poison_reason: str | None = None
-        self._pending: tuple[int, PendingDecode] | None = None  # rank 0: a decode not yet answered
-        self.handlers: dict[type, Callable[[Any], Reply | PendingDecode]] = {
+        self._pending: tuple[int, PendingStep] | None = None  # rank 0: a step not yet answered
+        self.handlers: dict[type, Callable[[Any], Reply | PendingStep]] = {
             Ping: self._ping,
             Prefill: self._prefill,
             Decode: self._decode,
@@ -87,7 +85,7 @@ class CommandLoop:
             Shutdown: lambda _command: Ack(),
         }
 
-    def register(self, command_type: type, handler: Callable[[Any], Reply | PendingDecode]) -> None:
+    def register(self, command_type: type, handler: Callable[[Any], Reply | PendingStep]) -> None:
         self.handlers[command_type] = handler
 
     # -- handlers -------------------------------------------------------------------------------
@@ -100,13 +98,13 @@ class CommandLoop:
         results = self.runner.prefill(command.chunks)
         return Ack() if results is None else PrefillDone(results)
 
-    def _decode(self, command: Decode) -> Reply | PendingDecode:
+    def _decode(self, command: Decode) -> Reply | PendingStep:
         step = self.runner.decode(command.rows)
         return Ack() if step is None else step
 
-    def _unified(self, command: Unified) -> Reply:
-        results = self.runner.unified(command.prefill, command.decode)
-        return Ack() if results is None else UnifiedDone(*results)
+    def _unified(self, command: Unified) -> Reply | PendingStep:
+        step = self.runner.unified(command.prefill, command.decode)
+        return Ack() if step is None else step
 
     def _drop(self, command: DropRequest) -> Reply:
         return DropAck(self.runner.drop(command))
@@ -129,20 +127,20 @@ class CommandLoop:
         self._reply(seq, failed)
 
     def _flush(self) -> None:
-        """Send the pending decode's reply (waiting for its tokens); poisons on failure."""
+        """Send the pending step's reply (waiting for its tokens); poisons on failure."""
         if self._pending is None:
             return
         seq, step = self._pending
         self._pending = None
         try:
-            reply = DecodeDone(step.results())
+            reply = step.reply()
         except Exception as exc:
-            self._poison(seq, "decode", exc)
+            self._poison(seq, step.op, exc)
             raise _Poisoned from exc
         self._reply(seq, reply)
 
     def _next_frame(self) -> bytes:
-        """The next frame; while a decode reply is pending, it goes out as soon as its tokens are
+        """The next frame; while a step's reply is pending, it goes out as soon as its tokens are
         on the host, unless a frame arrives first."""
         while self._pending is not None:
             try:
@@ -160,7 +158,7 @@ class CommandLoop:
         try:
             if handler is None:
                 raise WorkerStateError(f"{op} is not a command after startup")
-            if not isinstance(command, Decode):
+            if not isinstance(command, (Decode, Unified)):
                 self._flush()  # the earlier reply first: this command may depend on it
             reply = handler(command)
         except _Poisoned:
@@ -169,8 +167,8 @@ class CommandLoop:
             self._flush()
             self._poison(seq, op, exc)
             raise _Poisoned from exc
-        self._flush()  # a decode launched behind the pending one: now its reply can wait
-        if isinstance(reply, PendingDecode):
+        self._flush()  # a step launched behind the pending one: now its reply can wait
+        if isinstance(reply, PendingStep):
             self._pending = (seq, reply)
         else:
             self._reply(seq, reply)
