@@ -48,3 +48,24 @@ def test_an_unknown_mode_is_refused() -> None:
     assert (
         "phalanx bench engine: unknown mode overlapped; choose from ['pipelined', 'blocking']" in done.stdout
     )
+
+
+def test_staggered_arrivals_time_each_requests_own_span() -> None:
+    done = _bench(
+        "--batch", "3", "--prompt-len", "9", "--output-len", "12", "--arrival-ms", "5", "--modes", "pipelined"
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    title = (
+        "phalanx engine, tiny, cpu, eager, TP 1: prompt 9, 12 output tokens a request, arriving 5 ms apart"
+    )
+    assert title in lines
+    (row,) = [line for line in lines if line.startswith("| pipelined | 3 |")]
+    tpot, itl, p99, longest, _, whole = (float(cell) for cell in row.strip("| ").split(" | ")[2:])
+    assert itl <= p99 <= longest and tpot == whole  # each request's own first-to-last span
+
+
+def test_a_negative_arrival_gap_is_refused() -> None:
+    done = _bench("--arrival-ms", "-1")
+    assert done.returncode == 2
+    assert "argument --arrival-ms: must be 0 ms or more, got -1" in done.stderr

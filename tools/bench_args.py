@@ -1,5 +1,5 @@
-"""Argument types the benchmarks share: counts with a floor, and lists of TP degrees. Each refuses
-a bad value as an argparse error that names the flag, before any work starts."""
+"""Argument types the benchmarks share: counts with a floor, durations, and lists of TP degrees.
+Each refuses a bad value as an argparse error that names the flag, before any work starts."""
 
 from __future__ import annotations
 
@@ -25,6 +25,17 @@ def at_least(minimum: int) -> Callable[[str], int]:
         return integer_at_least(text, minimum)
 
     return parse
+
+
+def milliseconds(text: str) -> float:
+    """A duration in milliseconds, zero or more (``--arrival-ms``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of milliseconds, got {text!r}") from None
+    if not value >= 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be 0 ms or more, got {text}")
+    return value
 
 
 def tp_degrees(text: str) -> list[int]:

@@ -4,16 +4,19 @@ Writes a checkpoint of a Qwen3.5 geometry with random bf16 weights (fp32 on CPU)
 directory, then for each decode mode (``--modes``: ``pipelined``, the default scheduling, and
 ``blocking``, ``--no-pipeline``) starts an engine on it (coordinator, protocol, rank processes,
 CUDA graphs with ``--cuda-graph``) and, for each batch size, submits that many greedy requests of
-``--prompt-len`` random tokens at once, each generating exactly ``--output-len`` tokens, after an
-untimed run of every batch size (the first run of a shape compiles and tunes kernels). Tokens are
-timed as the engine's streams hand them over (no HTTP).
+``--prompt-len`` random tokens at once (or ``--arrival-ms`` apart), each generating exactly
+``--output-len`` tokens, after an untimed run of every batch size (the first run of a shape
+compiles and tunes kernels). Tokens are timed as the engine's streams hand them over (no HTTP).
 
 The figures cover the steady span, from the moment every request has its first token to the moment
 the first one has its last: before it, prompts still being prefilled share the steps (how many
 arrive with the first step is up to timing). TPOT is the median over requests of their time per
 token in that span, ITL the median gap between consecutive tokens (with the 99th percentile and the longest
 gap, where a stall of the host shows), and tokens/s the span's output. The last column is each
-request's whole first-to-last span per token (median), prefills included.
+request's whole first-to-last span per token (median), prefills included. With ``--arrival-ms``
+the requests arrive while the others decode, so every figure covers each request's own span from
+its first token to its last instead: the admissions of the later ones fall inside it, which is
+where a mode that stops decoding to admit a request shows.
 At batch 1 the modes must generate the same tokens, which the run checks; a larger batch's make-up
 at each step follows the requests' arrival, and with it the last bits of bf16 logits.
 """
@@ -34,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from tools.bench_args import at_least
+from tools.bench_args import at_least, milliseconds
 from tools.bench_decode import GEOMETRIES, _random_tensor, config_dict
 from tools.host_info import host_line
 
@@ -49,6 +52,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=at_least(2), default=128, help="tokens each request generates")
     parser.add_argument(
         "--modes", default="pipelined,blocking", help="comma-separated decode modes: pipelined, blocking"
+    )
+    parser.add_argument(
+        "--arrival-ms",
+        type=milliseconds,
+        default=0.0,
+        help="submit each batch's requests this many ms apart (default 0: all at once)",
     )
     parser.add_argument("--cuda-graph", action="store_true", help="decode from CUDA graphs (cuda only)")
     parser.add_argument("--seed", type=int, default=0)
@@ -105,17 +114,25 @@ async def _timed_tokens(stream) -> tuple[list[int], list[float]]:
     return tokens, times
 
 
-async def _generate(engine, prompts: list[list[int]], output_len: int) -> list[tuple[list[int], list[float]]]:
+async def _generate(
+    engine, prompts: list[list[int]], output_len: int, arrival_s: float = 0.0
+) -> list[tuple[list[int], list[float]]]:
     from executor.engine import GenerationParams
 
     params = GenerationParams(max_tokens=output_len, ignore_eos=True)
-    streams = [engine.submit(prompt, params) for prompt in prompts]
-    return await asyncio.gather(*(_timed_tokens(stream) for stream in streams))
+    timing = []
+    for index, prompt in enumerate(prompts):
+        if index and arrival_s:
+            await asyncio.sleep(arrival_s)
+        timing.append(asyncio.ensure_future(_timed_tokens(engine.submit(prompt, params))))
+    return await asyncio.gather(*timing)
 
 
-def _row(mode: str, batch: int, timed: list[tuple[list[int], list[float]]]) -> Row:
-    start = max(times[0] for _, times in timed)  # every request has its first token
-    end = min(times[-1] for _, times in timed)  # the first request has its last
+def _row(mode: str, batch: int, timed: list[tuple[list[int], list[float]]], staggered: bool = False) -> Row:
+    """The figures over the span where every request decodes, or (``staggered``) over each
+    request's own first to last token."""
+    start = min(times[0] for _, times in timed) if staggered else max(times[0] for _, times in timed)
+    end = max(times[-1] for _, times in timed) if staggered else min(times[-1] for _, times in timed)
     tpots, gaps, tokens = [], [], 0
     for _, times in timed:
         steady = [t for t in times if start <= t <= end]
@@ -183,8 +200,9 @@ def run(args: argparse.Namespace) -> int:
                 for batch in batches:  # compiles and tunes every kernel the timed runs use
                     asyncio.run(_generate(engine, prompts[:batch], 4))
                 for batch in batches:
-                    timed = asyncio.run(_generate(engine, prompts[:batch], args.output_len))
-                    rows.append(_row(mode, batch, timed))
+                    arrival_s = args.arrival_ms / 1e3
+                    timed = asyncio.run(_generate(engine, prompts[:batch], args.output_len, arrival_s))
+                    rows.append(_row(mode, batch, timed, staggered=arrival_s > 0))
                     if batch == 1:
                         tokens_of[mode] = timed[0][0]
                     print(f"measured: {_line(rows[-1])}", flush=True)
@@ -206,9 +224,10 @@ def _line(r: Row) -> str:
 
 def _table(args: argparse.Namespace, rows: list[Row]) -> str:
     graphs = "CUDA graphs" if args.cuda_graph else "eager"
+    arrival = f", arriving {args.arrival_ms:g} ms apart" if args.arrival_ms else ""
     lines = [
         f"phalanx engine, {args.geometry}, {args.device}, {graphs}, TP 1: prompt {args.prompt_len}, "
-        f"{args.output_len} output tokens a request",
+        f"{args.output_len} output tokens a request{arrival}",
         "| decode | requests | TPOT ms (median) | ITL ms (median) | ITL p99 ms | longest gap ms | output tokens/s "
         "| first to last token, ms a token |",
         "|---|---|---|---|---|---|---|---|",
