@@ -15,6 +15,7 @@ broadcasts them to the other ranks.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -55,17 +56,17 @@ class _RowPlan:
     pages: list[int]
 
 
-class PendingStep:
+class PendingStep(ABC):
     """Rank 0's step, launched, its tokens on their way to the host: the loop sends ``reply()``
     once ``ready()`` says it will not wait for the GPU (``worker/loop.py``)."""
 
-    op = "step"
+    op: str  # the command, for a poison's reason
 
-    def ready(self) -> bool:
-        raise NotImplementedError
+    @abstractmethod
+    def ready(self) -> bool: ...
 
-    def reply(self) -> DecodeDone | UnifiedDone:
-        raise NotImplementedError
+    @abstractmethod
+    def reply(self) -> DecodeDone | UnifiedDone: ...
 
 
 class PendingDecode(PendingStep):
