@@ -27,6 +27,7 @@ from executor.errors import ExecutorPoisoned, StartupError
 from executor.launcher import ExecutorConfig, launch_executor
 from executor.runtime import Executor
 from protocol import DecodeRow, Expectation, PrefillChunk, SlotMove, pack_ids
+from protocol.messages import FED_TOKEN
 from protocol.trace import Direction, read_trace
 from server.app import create_app
 from tests.runtime_helpers import alive
@@ -124,6 +125,50 @@ def test_sigkill_mid_decode_fails_every_open_request_once_and_health_turns_503(
     assert (failed_at - last_send.time_ns) / 1e9 <= DEAD_RANK_DETECTION_S
     assert [pid for pid in pids if alive(pid)] == []
     assert not ipc_dir.exists()
+
+
+def test_a_failing_pipelined_unified_step_fails_every_open_request_once(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A request that arrives while another decodes goes out in a Unified behind the decode in
+    flight; rank 0 failing there answers that decode first, then poisons, and both requests end
+    with exactly one error."""
+    trace_path = tmp_path / "unified.trace"
+    monkeypatch.setenv(faults.ENV, "0:unified#1:raise")
+    engine = Engine.start(
+        EngineConfig(
+            model_dir=tiny_model_dir,
+            tp=2,
+            step_timeout=10.0,
+            executor_options={"record": str(trace_path)},
+            **LIMITS,
+        )
+    )
+    monkeypatch.delenv(faults.ENV)
+    try:
+        params = GenerationParams(max_tokens=40, ignore_eos=True)
+        running = engine.submit(PROMPT, params)
+        seen_running = [running.next_event(timeout=10) for _ in range(3)]  # the pipeline runs
+        arriving = engine.submit(PROMPT[:2], params)
+        seen_arriving: list = []
+        for stream, seen in ((running, seen_running), (arriving, seen_arriving)):
+            while not seen or not isinstance(seen[-1], ErrorEvent):
+                seen.append(stream.next_event(timeout=10))
+        reason = (
+            "rank 0 failed during unified (unified): InjectedFault: injected fault at unified #1 on rank 0"
+        )
+        for seen in (seen_running, seen_arriving):
+            assert [e for e in seen if isinstance(e, ErrorEvent)] == [
+                ErrorEvent(f"engine is poisoned: {reason}")
+            ]
+        assert running.finished and arriving.finished
+    finally:
+        engine.shutdown()
+    # Sent before the decode ahead was read: its decode row feeds what the ranks sampled.
+    unified = next(
+        e for e in read_trace(trace_path).entries if e.direction is Direction.SEND and e.op == "unified"
+    )
+    assert [row.token for row in unified.message.body.decode] == [FED_TOKEN]
 
 
 def test_exception_at_command_n_poisons_at_once(
