@@ -83,14 +83,14 @@ def _poisoned(call, *args: object) -> tuple[str, float]:
 # ---------------------------------------------------------------------------------------------
 
 
-def test_sigkill_mid_decode_fails_every_open_request_once_and_health_turns_503(
-    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    trace_path = tmp_path / "killed.trace"
-    monkeypatch.setenv(faults.ENV, "1:decode#2:kill")
+def _recorded_engine(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch, fault: str, trace_path: Path
+) -> Engine:
+    """An engine at TP 2 whose ranks carry ``fault``, its protocol recorded to ``trace_path``."""
+    monkeypatch.setenv(faults.ENV, fault)
     engine = Engine.start(
         EngineConfig(
-            model_dir=tiny_model_dir,
+            model_dir=model_dir,
             tp=2,
             step_timeout=10.0,
             executor_options={"record": str(trace_path)},
@@ -98,6 +98,20 @@ def test_sigkill_mid_decode_fails_every_open_request_once_and_health_turns_503(
         )
     )
     monkeypatch.delenv(faults.ENV)
+    return engine
+
+
+def _read_until_error(stream, seen: list) -> None:
+    """Append the stream's events to ``seen`` up to and including its ErrorEvent."""
+    while not seen or not isinstance(seen[-1], ErrorEvent):
+        seen.append(stream.next_event(timeout=10))
+
+
+def test_sigkill_mid_decode_fails_every_open_request_once_and_health_turns_503(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    trace_path = tmp_path / "killed.trace"
+    engine = _recorded_engine(tiny_model_dir, monkeypatch, "1:decode#2:kill", trace_path)
     ipc_dir = Path(engine._executor.address.removeprefix("ipc://")).parent
     pids = list(engine._executor.rank_pids)
     client = TestClient(create_app(engine, tiny_model_dir))
@@ -106,8 +120,7 @@ def test_sigkill_mid_decode_fails_every_open_request_once_and_health_turns_503(
     streams = [engine.submit(PROMPT[: 1 + i], params) for i in range(3)]
     events = [[], [], []]
     for stream, seen in zip(streams, events, strict=True):
-        while not seen or not isinstance(seen[-1], ErrorEvent):
-            seen.append(stream.next_event(timeout=10))
+        _read_until_error(stream, seen)
     failed_at = time.time_ns()
     reason = "rank 1 exited with code -9 during decode"
     for seen in events:
@@ -134,17 +147,7 @@ def test_a_failing_pipelined_unified_step_fails_every_open_request_once(
     flight; rank 0 failing there answers that decode first, then poisons, and both requests end
     with exactly one error."""
     trace_path = tmp_path / "unified.trace"
-    monkeypatch.setenv(faults.ENV, "0:unified#1:raise")
-    engine = Engine.start(
-        EngineConfig(
-            model_dir=tiny_model_dir,
-            tp=2,
-            step_timeout=10.0,
-            executor_options={"record": str(trace_path)},
-            **LIMITS,
-        )
-    )
-    monkeypatch.delenv(faults.ENV)
+    engine = _recorded_engine(tiny_model_dir, monkeypatch, "0:unified#1:raise", trace_path)
     try:
         params = GenerationParams(max_tokens=40, ignore_eos=True)
         running = engine.submit(PROMPT, params)
@@ -152,8 +155,7 @@ def test_a_failing_pipelined_unified_step_fails_every_open_request_once(
         arriving = engine.submit(PROMPT[:2], params)
         seen_arriving: list = []
         for stream, seen in ((running, seen_running), (arriving, seen_arriving)):
-            while not seen or not isinstance(seen[-1], ErrorEvent):
-                seen.append(stream.next_event(timeout=10))
+            _read_until_error(stream, seen)
         reason = (
             "rank 0 failed during unified (unified): InjectedFault: injected fault at unified #1 on rank 0"
         )
