@@ -7,6 +7,7 @@ Decode is CUDA-graph capturable: every launch parameter comes from tensor shapes
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 import triton
@@ -287,26 +288,52 @@ def decode_attention_with_splits(
     """The decode attention with the KV range cut into ``splits`` parts (1 to 64)."""
     if not 1 <= splits <= _MAX_SPLITS:
         raise ValueError(f"decode attention splits must be 1 to {_MAX_SPLITS}, got {splits}")
-    batch, heads, dim = q.shape
-    page_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = heads // kv_heads
     if q.stride(-1) != 1:
         q = q.contiguous()
     if gate is not None and gate.stride(-1) != 1:
         gate = gate.contiguous()
-    gate_arg = q if gate is None else gate  # an unused pointer when there is no gate
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if batch == 0:
+    if q.shape[0] == 0:
         return out
+    part_o, part_lse = _decode_partials(q, splits, out)
+    for launch, grid, args, options in _decode_launches(
+        q, k_cache, v_cache, page_table, seq_lens, scale, splits, gate, out, part_o, part_lse
+    ):
+        launch(grid, *args, **options)
+    return out
+
+
+def _decode_partials(q: torch.Tensor, splits: int, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each split's output and log-sum-exp (fp32), merged after; ``out`` itself for one split."""
+    if splits == 1:
+        return out, out
+    batch, heads, dim = q.shape
+    part_o = torch.empty((batch, heads, splits, dim), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((batch, heads, splits), dtype=torch.float32, device=q.device)
+    return part_o, part_lse
+
+
+def _decode_launches(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    splits: int,
+    gate: torch.Tensor | None,
+    out: torch.Tensor,
+    part_o: torch.Tensor,
+    part_lse: torch.Tensor,
+) -> list[tuple[FastLaunch, tuple[int, ...], tuple[object, ...], dict[str, int]]]:
+    """(launch, grid, arguments, options) of the attention kernel and, with splits, the merge."""
+    batch, heads, dim = q.shape
+    page_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = heads // kv_heads
+    gate_arg = q if gate is None else gate  # an unused pointer when there is no gate
     short_splits = splits >= _SHORT_SPLITS
     block_n = 16 if short_splits else 32  # keys per softmax block, and per split at least
-    if splits > 1:
-        part_o = torch.empty((batch, heads, splits, dim), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((batch, heads, splits), dtype=torch.float32, device=q.device)
-    else:
-        part_o, part_lse = out, out
-    _decode_launch(
-        (batch, kv_heads, splits),
+    attention = (
         q,
         k_cache,
         v_cache,
@@ -339,13 +366,11 @@ def decode_attention_with_splits(
         gate is not None,
         # The 128-byte lines of one cached token's head vector (at least one: a short head).
         max(dim * k_cache.element_size() // 128, 1) if PREFETCH_KV else 0,
-        num_warps=4,
-        num_stages=2,
     )
+    launches = [(_decode_launch, (batch, kv_heads, splits), attention, {"num_warps": 4, "num_stages": 2})]
     if splits > 1:
         merge_tile, merge_warps = _merge_launch_shape(splits)
-        _merge_launch(
-            (batch, heads),
+        merge = (
             part_o,
             part_lse,
             seq_lens,
@@ -361,9 +386,57 @@ def decode_attention_with_splits(
             merge_tile,
             block_n,
             gate is not None,
-            num_warps=merge_warps,
         )
-    return out
+        launches.append((_merge_launch, (batch, heads), merge, {"num_warps": merge_warps}))
+    return launches
+
+
+BoundDecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+def bind_paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    gate: torch.Tensor | None = None,
+) -> BoundDecodeAttention | None:
+    """``paged_decode_attention`` bound to one layer's caches and to the layout of these inputs:
+    a function of (q, page_table, seq_lens, gate) -> out that allocates the output (and the
+    splits' partials) and launches through ``FastLaunch.bind``. None where the general path
+    would copy an input first, or for an empty batch."""
+    batch = q.shape[0]
+    if batch == 0 or q.stride(-1) != 1 or (gate is not None and gate.stride(-1) != 1):
+        return None
+    splits = _decode_splits(batch, k_cache.shape[2])
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    part_o, part_lse = _decode_partials(q, splits, out)
+    per_call = (q, page_table, seq_lens, out, part_o, part_lse) + (() if gate is None else (gate,))
+    bound = [
+        launch.bind(grid, args, per_call, **options)
+        for launch, grid, args, options in _decode_launches(
+            q, k_cache, v_cache, page_table, seq_lens, scale, splits, gate, out, part_o, part_lse
+        )
+    ]
+    with_gate = gate is not None
+
+    def attention(
+        q: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor, gate: torch.Tensor | None
+    ) -> torch.Tensor:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        part_o, part_lse = _decode_partials(q, splits, out)
+        tensors = (
+            (q, page_table, seq_lens, out, part_o, part_lse, gate)
+            if with_gate
+            else (q, page_table, seq_lens, out, part_o, part_lse)
+        )
+        for launch in bound:
+            launch(*tensors)
+        return out
+
+    return attention
 
 
 @triton.jit

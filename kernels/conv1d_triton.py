@@ -88,7 +88,7 @@ def _conv_decode_kernel(
 # Channels per decode program: 32 programs a row at the 4B geometry's 8192 channels, so batch 1
 # spreads over 32 SMs and batch 64 over 2048 programs.
 _DECODE_BLOCK_C = 256
-_conv_decode_launch = FastLaunch(_conv_decode_kernel, pdl=True)
+conv_decode_launch = FastLaunch(_conv_decode_kernel, pdl=True)
 
 
 def _check_state(conv_state: torch.Tensor, channels: int, kernel: int) -> None:
@@ -112,9 +112,23 @@ def causal_conv1d_decode_triton(
     y = torch.empty((batch, channels), dtype=x.dtype, device=x.device)
     if batch == 0:
         return y
+    grid, args, options = conv_decode_arguments(x, weight, conv_state, state_slots, y)
+    conv_decode_launch(grid, *args, **options)
+    return y
+
+
+def conv_decode_arguments(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    state_slots: torch.Tensor,
+    y: torch.Tensor,
+) -> tuple[tuple[int, int], tuple[object, ...], dict[str, int]]:
+    """(grid, arguments, launch options) of the decode conv on checked, contiguous tensors."""
+    batch, channels = x.shape
+    kernel = weight.shape[1]
     block = min(_DECODE_BLOCK_C, next_pow2(channels))
-    _conv_decode_launch(
-        (batch, cdiv(channels, block)),
+    args = (
         x,
         weight,
         conv_state,
@@ -127,9 +141,8 @@ def causal_conv1d_decode_triton(
         kernel,
         next_pow2(kernel),
         block,
-        num_warps=4,
     )
-    return y
+    return (batch, cdiv(channels, block)), args, {"num_warps": 4}
 
 
 @triton.jit

@@ -32,13 +32,21 @@ kernel's per-program q/k convolution is traffic the conv kernel does once.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.conv1d_triton import causal_conv1d_decode_triton, conv_state_window, conv_step, store_conv_state
+from kernels.conv1d_triton import (
+    causal_conv1d_decode_triton,
+    conv_decode_arguments,
+    conv_decode_launch,
+    conv_state_window,
+    conv_step,
+    store_conv_state,
+)
 from kernels.gdn_step import gdn_split_sizes
 from kernels.gdn_tiles import (
     FIXED_TILES,
@@ -254,67 +262,107 @@ def _step(
     conv: bool,
 ) -> torch.Tensor:
     """The step kernel on x: the input projection's qkv rows (``conv``) or the conv's output."""
-    batch, conv_dim = x.shape
-    hk, dk, hv, dv = gdn_split_sizes(conv_dim, state)
-    kernel = conv_weight.shape[-1]
-    check_step_states(conv_state, state, conv_dim, kernel)
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    if z.stride(-1) != 1 or z.stride(-2) != dv:
-        z = z.contiguous()
-    if a.stride(-1) != 1:
-        a = a.contiguous()
-    if b.stride(-1) != 1:
-        b = b.contiguous()
-    if not conv_weight.is_contiguous():
-        conv_weight = conv_weight.contiguous()
-    y = torch.empty((batch, hv, dv), dtype=x.dtype, device=x.device)
-    if batch == 0:
-        return y
-    bucket = tuning_bucket(batch)
-    o_ws, arrivals = _workspace(x.device, max(batch, _MIN_WORKSPACE_ROWS), hk, hv, dv)
-    tensors = [x, conv_weight, conv_state, z, a, b, A_log, dt_bias, norm_weight, state, state_slots, y]
-    strides = [x.stride(0), conv_state.stride(0), z.stride(0), a.stride(0), b.stride(0), state.stride(0)]
-    step = _Step(tensors, [o_ws, arrivals], [*strides, eps, dk**-0.5, bucket])
-    shape = dict(
-        HK=hk,
-        HV=hv,
-        DK=dk,
-        DV=dv,
-        K=kernel,
-        TAPS=next_pow2(kernel),
-        BK=next_pow2(dk),
-        BDV=next_pow2(dv),
-        CONV=conv,
+    step = _Step.build(
+        x, conv_weight, conv_state, z, a, b, A_log, dt_bias, norm_weight, eps, state, state_slots, conv
     )
-    if _INTERPRET:
-        step.launch(shape, batch, INTERPRET_TILE)
-        return y
-    # The model dtype stands for the others: the tile is a speed choice (see TunedTiles).
-    key = (bucket, hk, hv, dk, dv, conv, x.dtype, state.device)
-    tile = TUNED.tiles.get(key)
-    if tile is None:
-        capturing = torch.cuda.is_current_stream_capturing()
-        tile = TUNED.tile(key, capturing, lambda: step.tune_on_scratch(shape, bucket))
-    step.launch(shape, batch, tile)
-    return y
+    if step.batch:
+        step.launch(step.tile())
+    return step.tensors[-1]
 
 
 class _Step:
-    """One call's kernel arguments: the model's tensors, the workspace, the scalars."""
+    """One call's kernel arguments: the model's tensors, the workspace, the scalars, the shape."""
 
     def __init__(
-        self, tensors: list[torch.Tensor], workspace: list[torch.Tensor], scalars: list[object]
+        self,
+        tensors: list[torch.Tensor],
+        workspace: list[torch.Tensor],
+        scalars: list[object],
+        shape: dict[str, int],
+        key: tuple[object, ...],
     ) -> None:
-        self.tensors, self.workspace, self.scalars = tensors, workspace, scalars
-
-    def launch(self, shape: dict[str, int], batch: int, tile: Tile) -> None:
-        """One launch with a fixed (BV, num_warps) tile, through the compiled handle after its first."""
-        bv = min(tile[0], shape["BDV"])
-        grid = (cdiv(shape["DV"], bv), shape["HV"], batch)
-        _step_launch(
-            grid, *self.tensors, *self.workspace, *self.scalars, *shape.values(), bv, **launch_options(tile)
+        self.tensors, self.workspace, self.scalars, self.shape, self.key = (
+            tensors,
+            workspace,
+            scalars,
+            shape,
+            key,
         )
+        self.batch = tensors[0].shape[0]
+
+    @classmethod
+    def build(
+        cls,
+        x: torch.Tensor,
+        conv_weight: torch.Tensor,
+        conv_state: torch.Tensor,
+        z: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        A_log: torch.Tensor,
+        dt_bias: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+        state: torch.Tensor,
+        state_slots: torch.Tensor,
+        conv: bool,
+    ) -> _Step:
+        """Checks the layouts, makes the inputs contiguous where they are not, allocates y."""
+        batch, conv_dim = x.shape
+        hk, dk, hv, dv = gdn_split_sizes(conv_dim, state)
+        kernel = conv_weight.shape[-1]
+        check_step_states(conv_state, state, conv_dim, kernel)
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        if z.stride(-1) != 1 or z.stride(-2) != dv:
+            z = z.contiguous()
+        if a.stride(-1) != 1:
+            a = a.contiguous()
+        if b.stride(-1) != 1:
+            b = b.contiguous()
+        if not conv_weight.is_contiguous():
+            conv_weight = conv_weight.contiguous()
+        y = torch.empty((batch, hv, dv), dtype=x.dtype, device=x.device)
+        bucket = tuning_bucket(batch)
+        o_ws, arrivals = _workspace(x.device, max(batch, _MIN_WORKSPACE_ROWS), hk, hv, dv)
+        tensors = [x, conv_weight, conv_state, z, a, b, A_log, dt_bias, norm_weight, state, state_slots, y]
+        strides = [x.stride(0), conv_state.stride(0), z.stride(0), a.stride(0), b.stride(0), state.stride(0)]
+        shape = dict(
+            HK=hk,
+            HV=hv,
+            DK=dk,
+            DV=dv,
+            K=kernel,
+            TAPS=next_pow2(kernel),
+            BK=next_pow2(dk),
+            BDV=next_pow2(dv),
+            CONV=conv,
+        )
+        # The model dtype stands for the others: the tile is a speed choice (see TunedTiles).
+        key = (bucket, hk, hv, dk, dv, conv, x.dtype, state.device)
+        return cls(tensors, [o_ws, arrivals], [*strides, eps, dk**-0.5, bucket], shape, key)
+
+    def tile(self) -> Tile:
+        """The (BV, num_warps) tile of this call's bucket: tuned on its first call."""
+        if _INTERPRET:
+            return INTERPRET_TILE
+        tile = TUNED.tiles.get(self.key)
+        if tile is None:
+            capturing = torch.cuda.is_current_stream_capturing()
+            tile = TUNED.tile(self.key, capturing, lambda: self.tune_on_scratch(self.shape, self.key[0]))
+        return tile
+
+    def arguments(self, tile: Tile) -> tuple[tuple[int, ...], tuple[object, ...], dict[str, object]]:
+        """(grid, arguments, launch options) of one launch with a fixed (BV, num_warps) tile."""
+        bv = min(tile[0], self.shape["BDV"])
+        grid = (cdiv(self.shape["DV"], bv), self.shape["HV"], self.batch)
+        args = (*self.tensors, *self.workspace, *self.scalars, *self.shape.values(), bv)
+        return grid, args, launch_options(tile)
+
+    def launch(self, tile: Tile) -> None:
+        """One launch, through the compiled handle after its first."""
+        grid, args, options = self.arguments(tile)
+        _step_launch(grid, *args, **options)
 
     def tune_on_scratch(self, shape: dict[str, int], bucket: int) -> Tile:
         """Autotunes on ``bucket`` fresh rows of both states: benchmarking runs the in-place step
@@ -344,6 +392,75 @@ class _Step:
         )
         best = _tuned_kernel.best_config
         return best.kwargs["BV"], best.num_warps
+
+
+BoundGdnStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def bind_gdn_decode_step(
+    mixed_qkv: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    z: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    state: torch.Tensor,
+    state_slots: torch.Tensor,
+) -> BoundGdnStep | None:
+    """The split path of ``gdn_decode_step`` bound to one layer's weights and states and to the
+    layout of these inputs: a function of (mixed_qkv, z, a, b, state_slots) -> y that allocates
+    the conv's output and y and launches both kernels through ``FastLaunch.bind``. None where no
+    binding applies: the fused path, inputs the general path would copy first, a bucket whose
+    tile is not tuned yet (bind after the op's first call)."""
+    batch, channels = mixed_qkv.shape
+    if GDN_PATH == "fused" or conv_weight.dim() != 2 or not conv_weight.is_contiguous():
+        return None
+    if mixed_qkv.stride(-1) != 1 or batch == 0:
+        return None
+    conv_out = torch.empty((batch, channels), dtype=mixed_qkv.dtype, device=mixed_qkv.device)
+    conv_grid, conv_args, conv_options = conv_decode_arguments(
+        mixed_qkv, conv_weight, conv_state, state_slots, conv_out
+    )
+    step = _Step.build(
+        conv_out,
+        conv_weight,
+        conv_state,
+        z,
+        a,
+        b,
+        A_log,
+        dt_bias,
+        norm_weight,
+        eps,
+        state,
+        state_slots,
+        False,
+    )
+    if step.tensors[3] is not z or step.tensors[4] is not a or step.tensors[5] is not b:
+        return None
+    tile = INTERPRET_TILE if _INTERPRET else TUNED.tiles.get(step.key)
+    if tile is None:
+        return None
+    y = step.tensors[-1]
+    grid, args, options = step.arguments(tile)
+    conv = conv_decode_launch.bind(conv_grid, conv_args, (mixed_qkv, state_slots, conv_out), **conv_options)
+    launch = _step_launch.bind(grid, args, (conv_out, z, a, b, state_slots, y), **options)
+    dtype, device, y_shape = mixed_qkv.dtype, mixed_qkv.device, y.shape
+
+    def bound(
+        mixed_qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: torch.Tensor, state_slots: torch.Tensor
+    ) -> torch.Tensor:
+        conv_out = torch.empty((batch, channels), dtype=dtype, device=device)
+        conv(mixed_qkv, state_slots, conv_out)
+        y = torch.empty(y_shape, dtype=dtype, device=device)
+        launch(conv_out, z, a, b, state_slots, y)
+        return y
+
+    return bound
 
 
 def gdn_decode_step_triton(mixed_qkv: torch.Tensor, *args: Any) -> torch.Tensor:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -164,11 +164,15 @@ class FastLaunch:
         except _KIND_CHANGED:
             return (False, *self._key(args, options))
 
-    def __call__(self, grid: tuple[int, ...], *args: Any, **options: Any) -> None:
+    def _with_pdl(self, args: tuple, options: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
         if self.pdl:
             use_pdl = pdl_enabled()
             args = (*args, use_pdl)
             options["launch_pdl"] = use_pdl
+        return args, options
+
+    def __call__(self, grid: tuple[int, ...], *args: Any, **options: Any) -> None:
+        args, options = self._with_pdl(args, options)
         if _INTERPRET:
             self.kernel[grid](*args, **options)
             return
@@ -184,3 +188,52 @@ class FastLaunch:
         gx, gy, gz = (*grid, 1, 1)[:3]
         # No launch hooks are installed, so no launch metadata is built for them.
         compiled.run(gx, gy, gz, stream, compiled.function, compiled.packed_metadata, None, None, None, *args)
+
+    def bind(
+        self, grid: tuple[int, ...], args: tuple, per_call: Sequence[_Tensor], **options: Any
+    ) -> Callable[..., None]:
+        """This launch with its grid, options and every argument but the ``per_call`` tensors
+        fixed: the returned function takes tensors in the order of ``per_call`` and launches with
+        each one where its counterpart stands in ``args`` (by identity; one tensor may stand in
+        several places). It skips the key and the lookup of ``__call__``, and calls the compiled
+        handle with the arguments already in place: an op bound to its weights and shapes
+        (``kernels/bound.py``) launches through it.
+
+        The binary is the one ``args`` specialise to, which must have been launched before (else,
+        and under the interpreter, every launch takes ``__call__``). A per-call tensor whose dtype
+        or 16-byte alignment differs from its counterpart's would need another binary: that launch
+        takes ``__call__`` too, so a binding never runs a binary built for other arguments."""
+        slots = {i: j for i, arg in enumerate(args) for j, t in enumerate(per_call) if arg is t}
+        names = [f"t{j}" for j in range(len(per_call))]
+        full_args, full_options = self._with_pdl(args, dict(options))
+        compiled = None if _INTERPRET else self._compiled.get(self._launch_key(full_args, full_options))
+        # The binding keeps no per-call tensor alive: their places hold None.
+        fixed = [None if i in slots else a for i, a in enumerate(args)]
+
+        def general(*tensors: _Tensor) -> None:
+            self(grid, *[tensors[slots[i]] if i in slots else a for i, a in enumerate(fixed)], **options)
+
+        if compiled is None or not per_call:
+            return general
+        aligned = [n for n, t in zip(names, per_call, strict=True) if not t.data_ptr() & 15]
+        guard = [f"{n}.dtype is d[{j}]" for j, n in enumerate(names)]
+        if aligned:
+            guard.append(f"not ({' | '.join(f'{n}.data_ptr()' for n in aligned)}) & 15")
+        call_args = [names[slots[i]] if i in slots else f"c[{i}]" for i in range(len(full_args))]
+        gx, gy, gz = (*grid, 1, 1)[:3]
+        source = (
+            f"lambda {', '.join(names)}: run({gx}, {gy}, {gz}, stream(device()), fn, meta, None, None, None, "
+            f"{', '.join(call_args)}) if {' and '.join(guard)} else general({', '.join(names)})"
+        )
+        driver = triton.runtime.driver.active
+        namespace = {
+            "run": compiled.run,
+            "stream": driver.get_current_stream,
+            "device": driver.get_current_device,
+            "fn": compiled.function,
+            "meta": compiled.packed_metadata,
+            "c": [None if i in slots else a for i, a in enumerate(full_args)],
+            "d": [t.dtype for t in per_call],
+            "general": general,
+        }
+        return eval(source, namespace)  # noqa: S307 (our own text)

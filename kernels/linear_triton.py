@@ -237,8 +237,7 @@ def _run(
         launch, meta, constexpr_values, options = prepared
         launch(grid_of(meta), *args, *constexpr_values, **options)
         return
-    best = _best_configs.get(key)
-    if best is None:
+    if _best_configs.get(key) is None:
         if torch.cuda.is_current_stream_capturing():
             # Tuning benchmarks, which a capture forbids: refuse with the shape, not inside Triton.
             shape = ", ".join(f"{name}={value}" for name, value in zip(_KEY_FIELDS, key[1:], strict=True))
@@ -249,11 +248,28 @@ def _run(
         autotuned[grid_of](*args, **constexprs, launch_pdl=constexprs["USE_PDL"])
         _best_configs[key] = autotuned.best_config
         return
-    meta = {**constexprs, **best.kwargs}
-    constexpr_values = [meta[name] for name in kernel.arg_names[len(args) :]]
-    options = {"num_warps": best.num_warps, "num_stages": best.num_stages, "launch_pdl": meta["USE_PDL"]}
-    _prepared[key] = (_fast_launch(kind), meta, constexpr_values, options)
-    _fast_launch(kind)(grid_of(meta), *args, *constexpr_values, **options)
+    launch, meta, constexpr_values, options = _prepare(kind, key, len(args), constexprs)
+    launch(grid_of(meta), *args, *constexpr_values, **options)
+
+
+def _prepare(
+    kind: str, key: tuple[object, ...], runtime_count: int, constexprs: dict[str, Any]
+) -> tuple[FastLaunch, dict[str, Any], list[Any], dict[str, int]]:
+    """What a tuned key launches with besides its runtime arguments (kept in ``_prepared``):
+    the tuned pick's constexprs in parameter order and its launch options. Under the interpreter,
+    the interpreter's fixed config and no options."""
+    if _INTERPRET:
+        meta = {**_INTERPRETER_CONFIGS[kind], **constexprs}
+        kernel = _KERNELS[kind][1]
+        return FastLaunch(kernel), meta, [meta[name] for name in kernel.arg_names[runtime_count:]], {}
+    prepared = _prepared.get(key)
+    if prepared is None:
+        best = _best_configs[key]
+        meta = {**constexprs, **best.kwargs}
+        constexpr_values = [meta[name] for name in _KERNELS[kind][1].arg_names[runtime_count:]]
+        options = {"num_warps": best.num_warps, "num_stages": best.num_stages, "launch_pdl": meta["USE_PDL"]}
+        prepared = _prepared[key] = (_fast_launch(kind), meta, constexpr_values, options)
+    return prepared
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, op: str) -> None:
@@ -306,6 +322,52 @@ class PreNorm:
         return cls(residual.contiguous(), weight, eps, torch.empty_like(x))
 
 
+def _tuning_key(
+    x: torch.Tensor, n_out: int, silu_mul: bool, norm: PreNorm | None, y_dtype: torch.dtype
+) -> tuple[object, ...]:
+    """The kernel kind and the tuning key of one linear (``_KEY_FIELDS`` after the kind)."""
+    m, k = x.shape
+    block_m = 1 if m == 1 else min(max(next_pow2(m), _DOT_MIN_M), _DOT_MAX_BLOCK_M)
+    kind = "gemm" if m > 1 else "gemv" if norm is None else "normed_gemv"
+    pre_norm = "none" if norm is None else "unit" if norm.weight is None else "(1 + w)"
+    return (kind, n_out, k, block_m, silu_mul, pre_norm, x.dtype, y_dtype)
+
+
+def _arguments(
+    key: tuple[object, ...], x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, norm: PreNorm | None
+) -> tuple[Callable[[dict[str, Any]], tuple[int, ...]], tuple[object, ...], dict[str, Any], torch.Tensor]:
+    """(grid of the config, runtime arguments, constexprs, h) of the key's kernel on these
+    tensors, where h is the residual stream the norm leaves (x itself without one)."""
+    kind, n_out = key[0], key[1]
+    m, k = x.shape
+    constexprs: dict[str, Any] = {"SILU_MUL": key[4], "USE_PDL": pdl_enabled()}
+    h = x
+    if kind != "gemm":
+        grid_of = functools.partial(gemv_grid, n_out, x.device)
+        args: tuple[object, ...] = (x, w, y, n_out, k, n_out, w.stride(0))
+        if norm is not None:
+            h = norm.h
+            norm_weight = x if norm.weight is None else norm.weight  # never read without one
+            args = (x, w, y, norm.residual, norm_weight, h, n_out, k, n_out, w.stride(0), norm.eps)
+            constexprs.update(K_PAD=next_pow2(k), HAS_WEIGHT=norm.weight is not None)
+        if _INTERPRET:
+            per_sm = INTERPRETER_GEMV_PER_SM
+            constexprs["PER_SM"] = per_sm if norm is None else max(1, per_sm)
+        return grid_of, args, constexprs, h
+    if norm is not None:
+        raise ValueError("the skinny GEMM has no norm prologue: pre-norm rows with rms_norm first")
+    block_m = key[3]
+    split_ok = split_k_allowed(n_out, k, x.device)
+    workspace = split_k_workspace(x.device, cdiv(m, block_m), block_m, n_out, key[4]) if split_ok else None
+    partials, arrivals = workspace or no_workspace(x.device)
+    grid_of = lambda meta: (cdiv(n_out, meta["BLOCK_N"]), cdiv(m, block_m), meta["SPLIT_K"])  # noqa: E731
+    args = (x, w, y, partials, arrivals, m, n_out, k, n_out, x.stride(0), w.stride(0), y.stride(0))
+    constexprs.update(BLOCK_M=block_m, DOT_F32=_INTERPRET)
+    if _INTERPRET:
+        constexprs["SPLIT_K"] = INTERPRETER_SPLIT_K if split_ok else 1
+    return grid_of, args, constexprs, h
+
+
 def _launch(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -320,47 +382,19 @@ def _launch(
     (x itself without one); for a tuning key where cuBLAS measured faster, cuBLAS's answer.
     ``out`` (plain linears only) receives y instead of a new tensor; ``out_dtype`` (plain linears
     only, default x's) is the dtype of a new y, which the kernels store from their fp32 sums."""
-    m, k = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
+    m = x.shape[0]
     y_dtype = x.dtype if out_dtype is None else out_dtype
-    block_m = 1 if m == 1 else min(max(next_pow2(m), _DOT_MIN_M), _DOT_MAX_BLOCK_M)
-    kind = "gemm" if m > 1 else "gemv" if norm is None else "normed_gemv"
-    pre_norm = "none" if norm is None else "unit" if norm.weight is None else "(1 + w)"
-    key = (kind, n_out, k, block_m, silu_mul, pre_norm, x.dtype, y_dtype)
+    key = _tuning_key(x, n_out, silu_mul, norm, y_dtype)
     decided = _cublas_faster.get(key)
     if decided:
         return _cublas(x, w, silu_mul, norm, out, out_dtype)
     y = torch.empty((m, n_out), dtype=y_dtype, device=x.device) if out is None else out
     if m == 0 or n_out == 0:
         return y, x if norm is None else norm.h
-    constexprs: dict[str, Any] = {"SILU_MUL": silu_mul, "USE_PDL": pdl_enabled()}
-    if m == 1:
-        grid_of = functools.partial(gemv_grid, n_out, x.device)
-        h = x
-        args: tuple[object, ...] = (x, w, y, n_out, k, n_out, w.stride(0))
-        if norm is not None:
-            h = norm.h
-            norm_weight = x if norm.weight is None else norm.weight  # never read without one
-            args = (x, w, y, norm.residual, norm_weight, h, n_out, k, n_out, w.stride(0), norm.eps)
-            constexprs.update(K_PAD=next_pow2(k), HAS_WEIGHT=norm.weight is not None)
-        if _INTERPRET:
-            per_sm = INTERPRETER_GEMV_PER_SM
-            constexprs["PER_SM"] = per_sm if norm is None else max(1, per_sm)
-    else:
-        if norm is not None:
-            raise ValueError("the skinny GEMM has no norm prologue: pre-norm rows with rms_norm first")
-        h = x
-        split_ok = split_k_allowed(n_out, k, x.device)
-        workspace = (
-            split_k_workspace(x.device, cdiv(m, block_m), block_m, n_out, silu_mul) if split_ok else None
-        )
-        partials, arrivals = workspace or no_workspace(x.device)
-        grid_of = lambda meta: (cdiv(n_out, meta["BLOCK_N"]), cdiv(m, block_m), meta["SPLIT_K"])  # noqa: E731
-        args = (x, w, y, partials, arrivals, m, n_out, k, n_out, x.stride(0), w.stride(0), y.stride(0))
-        constexprs.update(BLOCK_M=block_m, DOT_F32=_INTERPRET)
-        if _INTERPRET:
-            constexprs["SPLIT_K"] = INTERPRETER_SPLIT_K if split_ok else 1
+    kind = key[0]
+    grid_of, args, constexprs, h = _arguments(key, x, w, y, norm)
     _run(kind, key, grid_of, args, constexprs)
     if decided is None and not _INTERPRET and not torch.cuda.is_current_stream_capturing():
         run = functools.partial(_run, kind, key, grid_of, args, constexprs)
@@ -373,6 +407,60 @@ def _launch(
         if _cublas_faster[key]:  # from its first call on, a key answers from one backend only
             return _cublas(x, w, silu_mul, norm, out, out_dtype)
     return y, h
+
+
+BoundLinear = Callable[[torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]
+
+
+def bind_linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    silu_mul: bool = False,
+    out_dtype: torch.dtype | None = None,
+    norm: tuple[torch.Tensor | None, float, torch.Tensor | None] | None = None,
+) -> BoundLinear | None:
+    """The Triton linear on ``w`` bound to x's shape and layout: a function of (x, residual) ->
+    (y, h) that allocates y (and h) and launches the key's tuned kernel through
+    ``FastLaunch.bind``, as ``_launch`` would. ``norm`` = (weight, eps, residual) makes it the
+    pre-normed GEMV (one row); every later call's residual must have this one's layout (or be
+    None, as here: the zero rows). None where no binding applies: a key that cuBLAS answers, or
+    not yet tuned and raced (bind after the op's first call); the norm kernel before a GEMM;
+    empty shapes; rows that are not contiguous."""
+    m, k = x.shape
+    n_out = _gate_up_rows(w) if silu_mul else w.shape[0]
+    y_dtype = x.dtype if out_dtype is None else out_dtype
+    pre_norm = None
+    if norm is not None:
+        if m != 1 or k > linear_gemv_triton.NORMED_MAX_K:
+            return None
+        pre_norm = PreNorm.build(x, *norm)
+    key = _tuning_key(x, n_out, silu_mul, pre_norm, y_dtype)
+    tuned = _INTERPRET or (_cublas_faster.get(key) is False and key in _best_configs)
+    if not tuned or m == 0 or n_out == 0 or x.stride(1) != 1:
+        return None
+    y = torch.empty((m, n_out), dtype=y_dtype, device=x.device)
+    grid_of, args, constexprs, h = _arguments(key, x, w, y, pre_norm)
+    launch, meta, constexpr_values, options = _prepare(key[0], key, len(args), constexprs)
+    full_args = (*args, *constexpr_values)
+    if pre_norm is None:
+        bound = launch.bind(grid_of(meta), full_args, (x, y), **options)
+
+        def plain(x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+            y = torch.empty((m, n_out), dtype=y_dtype, device=x.device)
+            bound(x, y)
+            return y, x
+
+        return plain
+    bound = launch.bind(grid_of(meta), full_args, (x, y, pre_norm.residual, h), **options)
+    zeros = _zeros_like(x)  # the first layer's residual (outside capture: bind there only)
+
+    def pre_normed(x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        y = torch.empty((m, n_out), dtype=y_dtype, device=x.device)
+        h = torch.empty_like(x)
+        bound(x, y, zeros if residual is None else residual, h)
+        return y, h
+
+    return pre_normed
 
 
 def _cublas(

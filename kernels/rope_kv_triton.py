@@ -6,6 +6,8 @@ everything but the head itself is read before waiting for the linear before it."
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -118,7 +120,6 @@ def norm_rope_write_kv_triton(
     slot_ids: torch.Tensor,
 ) -> torch.Tensor:
     tokens, heads, dim = q.shape
-    kv_heads = k.shape[1]
     if dim != next_pow2(dim):
         raise ValueError(f"norm_rope_write_kv needs a power-of-two head_dim, got {dim}")
     if not k_cache.is_contiguous() or k_cache.stride() != v_cache.stride():
@@ -130,8 +131,28 @@ def norm_rope_write_kv_triton(
     if tokens == 0:
         return out
     cos_sin = cos_sin.contiguous()
-    _norm_rope_write_kv_launch(
-        (tokens, heads + kv_heads),
+    grid, args = _arguments(q, k, v, q_norm, k_norm, eps, positions, cos_sin, k_cache, v_cache, slot_ids, out)
+    _norm_rope_write_kv_launch(grid, *args, num_warps=2)
+    return out
+
+
+def _arguments(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_norm: torch.Tensor,
+    k_norm: torch.Tensor,
+    eps: float,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_ids: torch.Tensor,
+    out: torch.Tensor,
+) -> tuple[tuple[int, int], tuple[object, ...]]:
+    """(grid, arguments) of the kernel on checked tensors with contiguous head vectors."""
+    tokens, heads, dim = q.shape
+    args = (
         q,
         k,
         v,
@@ -156,6 +177,45 @@ def norm_rope_write_kv_triton(
         heads,
         dim,
         cos_sin.shape[1],
-        num_warps=2,
     )
-    return out
+    return (tokens, heads + k.shape[1]), args
+
+
+BoundNormRopeWriteKv = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
+]
+
+
+def bind_norm_rope_write_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_norm: torch.Tensor,
+    k_norm: torch.Tensor,
+    eps: float,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_ids: torch.Tensor,
+) -> BoundNormRopeWriteKv | None:
+    """``norm_rope_write_kv`` bound to one layer's norms, RoPE table and caches and to the layout
+    of these inputs: a function of (q, k, v, positions, slot_ids) -> q out that allocates the
+    output and launches through ``FastLaunch.bind``. None where the general path would copy an
+    input first, or for no tokens."""
+    tokens = q.shape[0]
+    if tokens == 0 or any(t.stride(-1) != 1 for t in (q, k, v)) or not cos_sin.is_contiguous():
+        return None
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    grid, args = _arguments(q, k, v, q_norm, k_norm, eps, positions, cos_sin, k_cache, v_cache, slot_ids, out)
+    bound = _norm_rope_write_kv_launch.bind(grid, args, (q, k, v, positions, slot_ids, out), num_warps=2)
+    shape, dtype, device = q.shape, q.dtype, q.device
+
+    def norm_rope_write_kv(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor
+    ) -> torch.Tensor:
+        out = torch.empty(shape, dtype=dtype, device=device)
+        bound(q, k, v, positions, slot_ids, out)
+        return out
+
+    return norm_rope_write_kv

@@ -181,6 +181,46 @@ def test_4b_geometry_random_weights_generates() -> None:
     assert all(torch.isfinite(step).all() for step in logits)
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_bound_decode_ops_give_the_general_path_s_logits_bit_for_bit(
+    rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At the 4B shapes: decode through the layers' bound ops (kernels/bound.py, bound from the
+    third step on) against the same model with binding off, every step's logits equal."""
+    from kernels import bound
+    from models.qwen35 import DecodeBatch
+    from tools.bench_decode import build_random_model
+
+    model = build_random_model("4b", DEV)
+    pages_per_row = 4
+
+    def decode_steps() -> list[torch.Tensor]:
+        model.allocate_cache(rows * pages_per_row + 1, PAGE_SIZE, rows)  # fresh caches, new bound ops
+        tokens = prompt_ids(rows, seed=rows)
+        logits = []
+        for position in range(6):
+            step = DecodeBatch.build(
+                [
+                    (tokens[r], position, r, list(range(r * pages_per_row, (r + 1) * pages_per_row)))
+                    for r in range(rows)
+                ],
+                DEV,
+            )
+            logits.append(model.decode(step))
+            tokens = logits[-1].argmax(-1).tolist()
+        return logits
+
+    monkeypatch.setattr(bound, "MAX_BOUND_ROWS", 0)
+    general = decode_steps()
+    monkeypatch.setattr(bound, "MAX_BOUND_ROWS", 256)
+    bound_logits = decode_steps()
+    layer = model.layers[0]
+    assert layer.mlp.gate_up._bindings._bound, "the MLP's gate_up never bound"
+    assert any(layer.linear_attention.decode_step._bindings._bound.values()), "the GDN step never bound"
+    for step, (got, expected) in enumerate(zip(bound_logits, general, strict=True)):
+        assert torch.equal(got, expected), f"decode step {step}: bound logits differ from the general path's"
+
+
 @pytest.mark.parametrize("cuda_graph", [False, True])
 def test_engine_on_cuda_generates_the_model_greedy_tokens(tiny_model_dir: Path, cuda_graph: bool) -> None:
     """The whole runtime (executor + one worker process) on CUDA, pipelined, eager and with graphs

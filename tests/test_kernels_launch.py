@@ -124,6 +124,64 @@ def test_a_constexpr_before_runtime_parameters_is_keyed_by_value(kernel: _Kernel
     assert [entry[0] for entry in kernel.log] == ["jit", "fast", "jit"]
 
 
+def test_a_binding_launches_the_compiled_handle_with_the_call_s_tensors_in_place(kernel: _Kernel) -> None:
+    fast = launch.FastLaunch(kernel)
+    x, y = torch.zeros(64), torch.zeros(64)
+    fast((3,), x, 7, 128, num_warps=4)
+    bound = fast.bind((3,), (x, 7, 128), (x,), num_warps=4)
+    bound(y)
+    assert [entry[0] for entry in kernel.log] == ["jit", "fast"]
+    assert kernel.log[1][1] == (3, 1, 1, 1234, "fn", "meta", None, None, None, y, 7, 128)
+    assert kernel.log[1][1][9] is y
+
+
+def test_one_tensor_may_stand_in_several_places(kernel: _Kernel) -> None:
+    kernel.params = [SimpleNamespace(num=i, is_constexpr=False) for i in range(3)]
+    fast = launch.FastLaunch(kernel)
+    x, y = torch.zeros(64), torch.zeros(64)
+    fast((1,), x, 5, x)
+    fast.bind((1,), (x, 5, x), (x,))(y)
+    assert kernel.log[1][0] == "fast" and kernel.log[1][1][9:] == (y, 5, y)
+
+
+@pytest.mark.parametrize("change", ["dtype", "misaligned pointer"])
+def test_a_per_call_tensor_of_another_specialisation_takes_the_general_launch(
+    kernel: _Kernel, change: str
+) -> None:
+    fast = launch.FastLaunch(kernel)
+    x = torch.zeros(64)
+    fast((1,), x, 7, 128, num_warps=4)
+    bound = fast.bind((1,), (x, 7, 128), (x,), num_warps=4)
+    bound(x.half() if change == "dtype" else x[1:])
+    assert [entry[0] for entry in kernel.log] == ["jit", "jit"], change
+
+
+def test_a_binding_before_any_launch_takes_the_general_launch(kernel: _Kernel) -> None:
+    fast = launch.FastLaunch(kernel)
+    x = torch.zeros(64)
+    bound = fast.bind((1,), (x, 7, 128), (x,), num_warps=4)
+    bound(x)
+    bound(x)
+    assert [entry[0] for entry in kernel.log] == ["jit", "fast"]
+
+
+def test_a_binding_keeps_no_per_call_tensor_alive(kernel: _Kernel) -> None:
+    import gc
+    import weakref
+
+    fast = launch.FastLaunch(kernel)
+    x = torch.zeros(64)
+    fast((1,), x, 7, 128, num_warps=4)
+    bound = fast.bind((1,), (x, 7, 128), (x,), num_warps=4)
+    kernel.log.clear()
+    seen = weakref.ref(x)
+    del x
+    gc.collect()
+    assert seen() is None
+    bound(torch.zeros(64))
+    assert [entry[0] for entry in kernel.log] == ["fast"]
+
+
 def test_next_pow2_and_cdiv_match_triton() -> None:
     import triton
 

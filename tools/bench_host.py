@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from kernels import ops
+from kernels import bound, ops
 from tools.bench_args import at_least
 from tools.bench_decode import GEOMETRIES, PAGE_SIZE, build_random_model
 from tools.host_info import host_line
@@ -41,29 +41,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 @contextmanager
 def timed_ops() -> Iterator[tuple[dict[str, float], Counter[str]]]:
-    """Every callable in ``kernels.ops.__all__`` wrapped in a timer while the block runs."""
+    """Every callable in ``kernels.ops.__all__``, and every bound op of ``kernels.bound`` (under
+    the name of the op it stands for), wrapped in a timer while the block runs. A timed call
+    inside another (the general op a bound op falls back to) counts in the outer one only."""
     seconds: dict[str, float] = defaultdict(float)
     calls: Counter[str] = Counter()
     originals = {name: getattr(ops, name) for name in ops.__all__ if name != "rope_cache"}
+    bound_calls = {cls: cls.__call__ for cls in bound.BOUND_OPS}
+    depth = 0
 
-    def timer(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def timer(name_of: Callable[[tuple], str], fn: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
+            nonlocal depth
+            if depth:
+                return fn(*args, **kwargs)
+            depth += 1
             started = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
+                depth -= 1
+                name = name_of(args)
                 seconds[name] += time.perf_counter() - started
                 calls[name] += 1
 
         return timed
 
     for name, fn in originals.items():
-        setattr(ops, name, timer(name, fn))
+        setattr(ops, name, timer(lambda args, name=name: name, fn))
+    for cls, call in bound_calls.items():
+        cls.__call__ = timer(lambda args: args[0].op, call)
     try:
         yield seconds, calls
     finally:
         for name, fn in originals.items():
             setattr(ops, name, fn)
+        for cls, call in bound_calls.items():
+            cls.__call__ = call
 
 
 def _sync(device: torch.device) -> None:

@@ -17,8 +17,14 @@ from dataclasses import dataclass
 import torch
 
 from kernels import ops
+from kernels.bound import (
+    BoundDecodeAttention,
+    BoundGdnDecodeStep,
+    BoundNormRopeWriteKv,
+    BoundPreNormedLinear,
+)
 from models.qwen35.config import FULL_ATTENTION, Qwen35Config
-from models.qwen35.parallel import TensorParallel
+from models.qwen35.parallel import RowParallelLinear, TensorParallel
 from models.qwen35.sharding import RankLayout
 
 Weights = dict[str, torch.Tensor]
@@ -66,14 +72,21 @@ class FullAttention:
         self.q_norm = w["q_norm.weight"]
         self.k_norm = w["k_norm.weight"]
         self.o_weight = w["o_proj.weight"]
-        self.tp = tp
+        self.qkv = BoundPreNormedLinear(self.qkv_weight, self.eps)
+        self.o_proj = RowParallelLinear(self.o_weight, tp)
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        self.norm_rope_write_kv: BoundNormRopeWriteKv | None = None
+        self.decode_attention: BoundDecodeAttention | None = None
 
-    def allocate(self, num_pages: int, page_size: int) -> None:
+    def allocate(self, num_pages: int, page_size: int, cos_sin: torch.Tensor) -> None:
         shape = (num_pages, page_size, self.num_kv_heads, self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=self.o_weight.dtype, device=self.o_weight.device)
         self.v_cache = torch.zeros_like(self.k_cache)
+        self.norm_rope_write_kv = BoundNormRopeWriteKv(
+            self.q_norm, self.k_norm, self.eps, cos_sin, self.k_cache, self.v_cache
+        )
+        self.decode_attention = BoundDecodeAttention(self.k_cache, self.v_cache, self.scale)
 
     def __call__(
         self,
@@ -86,21 +99,15 @@ class FullAttention:
         columns hold the norm's weight)."""
         tokens, hd = x.shape[0], self.head_dim
         q_size, kv_size = self.num_heads * 2 * hd, self.num_kv_heads * hd
-        qkv, residual = ops.rms_norm_linear(x, None, self.eps, residual, self.qkv_weight)
+        qkv, residual = self.qkv(x, residual)
         q_gate, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q, gate = q_gate.view(tokens, self.num_heads, 2 * hd).split([hd, hd], dim=-1)
         # q/k norms, partial RoPE and the paged K/V write in one op (one kernel on CUDA).
-        q = ops.norm_rope_write_kv(
+        q = self.norm_rope_write_kv(
             q,
             k.view(tokens, self.num_kv_heads, hd),
             v.view(tokens, self.num_kv_heads, hd),
-            self.q_norm,
-            self.k_norm,
-            self.eps,
             ctx.positions,
-            cos_sin,
-            self.k_cache,
-            self.v_cache,
             ctx.kv_slot_ids,
         )
         if ctx.is_prefill:
@@ -109,10 +116,8 @@ class FullAttention:
             )
             gated = attn * torch.sigmoid(gate)
         else:  # the output gate is fused into decode attention
-            gated = ops.paged_decode_attention(
-                q, self.k_cache, self.v_cache, ctx.page_tables, ctx.seq_lens, self.scale, gate
-            )
-        return self.tp.row_parallel_linear(gated.reshape(tokens, -1), self.o_weight), residual
+            gated = self.decode_attention(q, ctx.page_tables, ctx.seq_lens, gate)
+        return self.o_proj(gated.reshape(tokens, -1)), residual
 
 
 class GatedDeltaNet:
@@ -131,9 +136,11 @@ class GatedDeltaNet:
         self.A_log = w["A_log"]  # float32
         self.norm = w["norm.weight"]  # float32
         self.out_weight = w["out_proj.weight"]
-        self.tp = tp
+        self.in_proj = BoundPreNormedLinear(self.in_weight, self.eps)
+        self.out_proj = RowParallelLinear(self.out_weight, tp)
         self.recurrent_state: torch.Tensor | None = None
         self.conv_state: torch.Tensor | None = None
+        self.decode_step: BoundGdnDecodeStep | None = None
 
     @property
     def conv_dim(self) -> int:
@@ -147,6 +154,15 @@ class GatedDeltaNet:
         self.conv_state = torch.zeros(
             num_slots, self.conv_dim, self.kernel - 1, dtype=self.out_weight.dtype, device=device
         )
+        self.decode_step = BoundGdnDecodeStep(
+            self.conv_weight,
+            self.conv_state,
+            self.A_log,
+            self.dt_bias,
+            self.norm,
+            self.eps,
+            self.recurrent_state,
+        )
 
     def __call__(
         self, x: torch.Tensor, residual: torch.Tensor | None, ctx: StepContext
@@ -155,24 +171,12 @@ class GatedDeltaNet:
         hold the norm's weight)."""
         tokens = x.shape[0]
         z_size = self.value_heads * self.value_dim
-        projected, residual = ops.rms_norm_linear(x, None, self.eps, residual, self.in_weight)
+        projected, residual = self.in_proj(x, residual)
         qkv, z, b, a = projected.split([self.conv_dim, z_size, self.value_heads, self.value_heads], dim=-1)
         if not ctx.is_prefill:  # conv, gates, delta rule and gated norm in one op (one kernel on CUDA)
-            y = ops.gdn_decode_step(
-                qkv,
-                self.conv_weight,
-                self.conv_state,
-                z.view(tokens, self.value_heads, self.value_dim),
-                a,
-                b,
-                self.A_log,
-                self.dt_bias,
-                self.norm,
-                self.eps,
-                self.recurrent_state,
-                ctx.state_slots,
-            )
-            return self.tp.row_parallel_linear(y.reshape(tokens, -1), self.out_weight), residual
+            z = z.view(tokens, self.value_heads, self.value_dim)
+            y = self.decode_step(qkv, z, a, b, ctx.state_slots)
+            return self.out_proj(y.reshape(tokens, -1)), residual
         mixed = ops.causal_conv1d_prefill(
             qkv, self.conv_weight, self.conv_state, ctx.state_slots, ctx.cu_seqlens, ctx.has_initial_state
         )
@@ -186,7 +190,7 @@ class GatedDeltaNet:
             q, k, v, g, beta, self.recurrent_state, ctx.state_slots, ctx.cu_seqlens, ctx.has_initial_state
         )
         y = ops.gated_rms_norm(o, z.reshape(tokens, self.value_heads, self.value_dim), self.norm, self.eps)
-        return self.tp.row_parallel_linear(y.reshape(tokens, -1), self.out_weight), residual
+        return self.out_proj(y.reshape(tokens, -1)), residual
 
 
 class MLP:
@@ -195,14 +199,14 @@ class MLP:
     def __init__(self, w: Weights, tp: TensorParallel, eps: float) -> None:
         self.gate_up_weight = w["gate_up_proj.weight"]
         self.down_weight = w["down_proj.weight"]
-        self.tp = tp
-        self.eps = eps
+        self.gate_up = BoundPreNormedLinear(self.gate_up_weight, eps, silu_mul=True)
+        self.down = RowParallelLinear(self.down_weight, tp)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(output, residual stream): x + residual is pre-normed inside gate_up (whose columns
         hold the norm's weight)."""
-        hidden, residual = ops.rms_norm_linear_silu_and_mul(x, None, self.eps, residual, self.gate_up_weight)
-        return self.tp.row_parallel_linear(hidden, self.down_weight), residual
+        hidden, residual = self.gate_up(x, residual)
+        return self.down(hidden), residual
 
 
 class DecoderLayer:

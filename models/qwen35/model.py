@@ -115,7 +115,7 @@ class Qwen35Model:
                 f"page_size={page_size}, state slots={num_state_slots}"
             )
         for attention in self._attention_layers:
-            attention.allocate(num_pages_total, page_size)
+            attention.allocate(num_pages_total, page_size, self.cos_sin)
         for gdn in self._linear_layers:
             gdn.allocate(num_state_slots)
         self.page_size = page_size

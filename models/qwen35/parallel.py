@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from kernels import ops
+from kernels.bound import BoundLinear
 from models.qwen35.one_shot import OneShotAllReduce, try_one_shot
 
 
@@ -40,14 +41,6 @@ class TensorParallel:
         if self.world_size > 1:
             dist.broadcast(x, src=0)
 
-    def row_parallel_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """all_reduce(x @ w.T) for a weight split along K: on the one-shot path the linear writes
-        its partial straight into the symmetric buffer, with no staging copy."""
-        shape = (x.shape[0], w.shape[0])
-        if self.world_size == 1 or self.one_shot is None or not self.one_shot.fits(shape, x.dtype):
-            return self.all_reduce(ops.linear(x, w))
-        return self.one_shot.reduce(ops.linear(x, w, out=self.one_shot.stage(shape)))
-
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, V/t] on each rank -> [N, V], rank r's part at columns [r V/t, (r+1) V/t)."""
         if self.world_size == 1:
@@ -55,6 +48,24 @@ class TensorParallel:
         gathered = torch.empty((self.world_size, *x.shape), dtype=x.dtype, device=x.device)
         dist.all_gather(list(gathered.unbind(0)), x.contiguous())
         return gathered.permute(1, 0, 2).reshape(x.shape[0], -1)
+
+
+class RowParallelLinear:
+    """all_reduce(x @ w.T) for a weight split along K (bound to it: ``kernels/bound.py``). On the
+    one-shot path the linear writes its partial straight into the symmetric buffer, with no
+    staging copy."""
+
+    def __init__(self, weight: torch.Tensor, tp: TensorParallel) -> None:
+        self.weight = weight
+        self.tp = tp
+        self.linear = BoundLinear(weight)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        tp = self.tp
+        shape = (x.shape[0], self.weight.shape[0])
+        if tp.world_size == 1 or tp.one_shot is None or not tp.one_shot.fits(shape, x.dtype):
+            return tp.all_reduce(self.linear(x))
+        return tp.one_shot.reduce(ops.linear(x, self.weight, out=tp.one_shot.stage(shape)))
 
 
 class VocabParallelEmbedding:
@@ -76,7 +87,8 @@ class VocabParallelHead:
     def __init__(self, weight: torch.Tensor, tp: TensorParallel) -> None:
         self.weight = weight
         self.tp = tp
+        self.linear = BoundLinear(weight, fp32_out=True)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        local = ops.linear_fp32(hidden, self.weight)
+        local = self.linear(hidden)
         return self.tp.all_gather_last_dim(local)
