@@ -1,7 +1,9 @@
 """The decoder layer and its parts (gated full attention, Gated DeltaNet, MLP) on one TP rank.
 
 Weights are this rank's slices (see sharding.py), input projections fused by the loader. Each
-row-parallel output projection is followed by an all-reduce. All math goes through kernels.ops.
+row-parallel output projection is followed by an all-reduce. All math goes through kernels.ops;
+the calls decode repeats every step go through ops bound to the layer's weights and states
+(``kernels/bound.py``), which launch the same kernels with less host work per call.
 
 Each decoder pre-norm's (1 + w) is folded into the columns of the one linear that reads its
 output (``fold_norm_weight``): rmsnorm(h) * (1 + w) @ W.T equals rmsnorm(h) @ (W * (1 + w)).T, so
