@@ -144,20 +144,25 @@ class BoundGdnDecodeStep:
     def __call__(
         self, qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: torch.Tensor, state_slots: torch.Tensor
     ) -> torch.Tensor:
-        if not qkv.is_cuda:
-            return self._general(qkv, z, a, b, state_slots)
-        key = (qkv.shape, qkv.stride(), z.shape, z.stride(), a.stride(), b.stride(), qkv.dtype)
+        key = (
+            (qkv.shape, qkv.stride(), z.shape, z.stride(), a.stride(), b.stride(), qkv.dtype)
+            if qkv.is_cuda
+            else None
+        )
         bound = self._bindings.get(key)
         if bound is not None:
             return bound(qkv, z, a, b, state_slots)
-        y = self._general(qkv, z, a, b, state_slots)
-        self._bindings.after_general_call(key, qkv.shape[0], lambda: self._bind(qkv, z, a, b, state_slots))
+        args = self._arguments(qkv, z, a, b, state_slots)
+        y = ops.gdn_decode_step(*args)
+        if key is not None:
+            self._bindings.after_general_call(key, qkv.shape[0], lambda: _bind_gdn_decode_step(*args))
         return y
 
-    def _general(
+    def _arguments(
         self, qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: torch.Tensor, state_slots: torch.Tensor
-    ) -> torch.Tensor:
-        return ops.gdn_decode_step(
+    ) -> tuple[object, ...]:
+        """The arguments of ``ops.gdn_decode_step`` (and of its binding), in its order."""
+        return (
             qkv,
             self.conv_weight,
             self.conv_state,
@@ -172,25 +177,11 @@ class BoundGdnDecodeStep:
             state_slots,
         )
 
-    def _bind(
-        self, qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: torch.Tensor, state_slots: torch.Tensor
-    ) -> Callable[..., torch.Tensor] | None:
-        from kernels.gdn_step_triton import bind_gdn_decode_step
 
-        return bind_gdn_decode_step(
-            qkv,
-            self.conv_weight,
-            self.conv_state,
-            z,
-            a,
-            b,
-            self.A_log,
-            self.dt_bias,
-            self.norm_weight,
-            self.eps,
-            self.recurrent_state,
-            state_slots,
-        )
+def _bind_gdn_decode_step(*args: object) -> Callable[..., torch.Tensor] | None:
+    from kernels.gdn_step_triton import bind_gdn_decode_step
+
+    return bind_gdn_decode_step(*args)
 
 
 class BoundDecodeAttention:
