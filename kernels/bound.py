@@ -7,12 +7,12 @@ from one step to the next only in the activations they take. A bound op does tha
 input layout: its first two calls of a layout take the general path (the first compiles, tunes
 and races cuBLAS), after which it binds the launch (the Triton modules' ``bind_*``, through
 ``FastLaunch.bind``: every argument but the per-call tensors fixed) and later calls only allocate
-their outputs and launch. The kernels and their arguments are the general path's, so the results
-are the same bit for bit.
+their outputs and launch; a linear whose key cuBLAS answers calls the mm itself
+(``kernels/linear_bind_triton.py``). The kernels and their arguments are the general path's, so
+the results are the same bit for bit.
 
-On CPU tensors a bound op is the general op. So is it for a layout it has no binding for (cuBLAS
-answers the shape, an input the general path would copy first, more than ``MAX_BOUND_ROWS`` rows,
-as in prefill). It binds outside CUDA-graph capture only: a capture records kernels without running
+On CPU tensors a bound op is the general op. So is it for a layout it has no binding for (an input
+the general path would copy first, more than ``MAX_BOUND_ROWS`` rows, as in prefill). It binds outside CUDA-graph capture only: a capture records kernels without running
 them, so a tensor made there holds nothing until the graph replays. Weights and states are bound as
 they are at binding: the layers make new bound ops when they allocate their caches.
 """
@@ -55,10 +55,10 @@ class _Bindings:
         self._bound[key] = bind()
 
 
-def _linear_triton() -> Any:
-    from kernels import linear_triton
+def _bind_linear(*args: Any, **kwargs: Any) -> Callable[..., Any] | None:
+    from kernels.linear_bind_triton import bind_linear
 
-    return linear_triton
+    return bind_linear(*args, **kwargs)
 
 
 class BoundLinear:
@@ -80,7 +80,7 @@ class BoundLinear:
         y = ops.linear_fp32(x, self.weight) if self.fp32_out else ops.linear(x, self.weight)
         out_dtype = torch.float32 if self.fp32_out else None
         self._bindings.after_general_call(
-            key, x.shape[0], lambda: _linear_triton().bind_linear(x, self.weight, out_dtype=out_dtype)
+            key, x.shape[0], lambda: _bind_linear(x, self.weight, out_dtype=out_dtype)
         )
         return y
 
@@ -114,9 +114,7 @@ class BoundPreNormedLinear:
         self._bindings.after_general_call(
             key,
             x.shape[0],
-            lambda: _linear_triton().bind_linear(
-                x, self.weight, self.silu_mul, norm=(None, self.eps, residual)
-            ),
+            lambda: _bind_linear(x, self.weight, self.silu_mul, norm=(None, self.eps, residual)),
         )
         return y, h
 

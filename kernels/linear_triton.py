@@ -409,60 +409,6 @@ def _launch(
     return y, h
 
 
-BoundLinear = Callable[[torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]
-
-
-def bind_linear(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    silu_mul: bool = False,
-    out_dtype: torch.dtype | None = None,
-    norm: tuple[torch.Tensor | None, float, torch.Tensor | None] | None = None,
-) -> BoundLinear | None:
-    """The Triton linear on ``w`` bound to x's shape and layout: a function of (x, residual) ->
-    (y, h) that allocates y (and h) and launches the key's tuned kernel through
-    ``FastLaunch.bind``, as ``_launch`` would. ``norm`` = (weight, eps, residual) makes it the
-    pre-normed GEMV (one row); every later call's residual must have this one's layout (or be
-    None, as here: the zero rows). None where no binding applies: a key that cuBLAS answers, or
-    not yet tuned and raced (bind after the op's first call); the norm kernel before a GEMM;
-    empty shapes; rows that are not contiguous."""
-    m, k = x.shape
-    n_out = _gate_up_rows(w) if silu_mul else w.shape[0]
-    y_dtype = x.dtype if out_dtype is None else out_dtype
-    pre_norm = None
-    if norm is not None:
-        if m != 1 or k > linear_gemv_triton.NORMED_MAX_K:
-            return None
-        pre_norm = PreNorm.build(x, *norm)
-    key = _tuning_key(x, n_out, silu_mul, pre_norm, y_dtype)
-    tuned = _INTERPRET or (_cublas_faster.get(key) is False and key in _best_configs)
-    if not tuned or m == 0 or n_out == 0 or x.stride(1) != 1:
-        return None
-    y = torch.empty((m, n_out), dtype=y_dtype, device=x.device)
-    grid_of, args, constexprs, h = _arguments(key, x, w, y, pre_norm)
-    launch, meta, constexpr_values, options = _prepare(key[0], key, len(args), constexprs)
-    full_args = (*args, *constexpr_values)
-    if pre_norm is None:
-        bound = launch.bind(grid_of(meta), full_args, (x, y), **options)
-
-        def plain(x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-            y = torch.empty((m, n_out), dtype=y_dtype, device=x.device)
-            bound(x, y)
-            return y, x
-
-        return plain
-    bound = launch.bind(grid_of(meta), full_args, (x, y, pre_norm.residual, h), **options)
-    zeros = _zeros_like(x)  # the first layer's residual (outside capture: bind there only)
-
-    def pre_normed(x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        y = torch.empty((m, n_out), dtype=y_dtype, device=x.device)
-        h = torch.empty_like(x)
-        bound(x, y, zeros if residual is None else residual, h)
-        return y, h
-
-    return pre_normed
-
-
 def _cublas(
     x: torch.Tensor,
     w: torch.Tensor,

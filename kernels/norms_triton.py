@@ -3,6 +3,8 @@ RMSNorm of the Gated DeltaNet output. Same signatures and semantics as ``kernels
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -58,22 +60,18 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def rms_norm_triton(
-    x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    n, hidden = x.shape
-    x = _rows(x)
+def _rms_norm_arguments(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None
+) -> tuple[tuple[object, ...], dict[str, int]]:
+    """The norm kernel's arguments (new y, and h unless residual is None) and launch options."""
+    hidden = x.shape[1]
     y = torch.empty_like(x)
     if residual is None:
         h, res = x, x
     else:
-        res = _rows(residual)
-        h = torch.empty_like(x)
-    if n == 0:
-        return y, h
+        h, res = torch.empty_like(x), residual
     block = next_pow2(hidden)
-    _rms_norm_launch(
-        (n,),
+    args = (
         x,
         res,
         x if weight is None else weight,  # never read without a weight
@@ -88,9 +86,56 @@ def rms_norm_triton(
         residual is not None,
         weight is not None,
         block,
-        num_warps=min(max(block // 256, 1), 8),
     )
+    return args, {"num_warps": min(max(block // 256, 1), 8)}
+
+
+def rms_norm_triton(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    x = _rows(x)
+    args, options = _rms_norm_arguments(x, weight, eps, None if residual is None else _rows(residual))
+    y, h = args[3], args[4]
+    if x.shape[0]:
+        _rms_norm_launch((x.shape[0],), *args, **options)
     return y, h
+
+
+BoundRmsNorm = Callable[[torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]
+
+
+def bind_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None
+) -> BoundRmsNorm | None:
+    """``rms_norm_triton`` bound to the weight and to the layout of x and residual: a function of
+    (x, residual) -> (y, h) that allocates y (and h) and launches through ``FastLaunch.bind``.
+    Every later call's x and residual must have these ones' layouts, and residual is None in them
+    exactly when it is here (the first layer's norm, without the residual add). None for no rows,
+    or rows the general path would copy first."""
+    rows = x.shape[0]
+    if rows == 0 or x.stride(-1) != 1 or (residual is not None and residual.stride(-1) != 1):
+        return None
+    args, options = _rms_norm_arguments(x, weight, eps, residual)
+    y = args[3]
+    if residual is None:
+        first_layer = _rms_norm_launch.bind((rows,), args, (x, y), **options)
+
+        def without_residual(
+            x: torch.Tensor, residual: torch.Tensor | None
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            y = torch.empty_like(x)
+            first_layer(x, y)
+            return y, x
+
+        return without_residual
+    launch = _rms_norm_launch.bind((rows,), args, (x, residual, y, args[4]), **options)
+
+    def with_residual(x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        y, h = torch.empty_like(x), torch.empty_like(x)
+        launch(x, residual, y, h)
+        return y, h
+
+    return with_residual
 
 
 @triton.jit

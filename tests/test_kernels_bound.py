@@ -28,30 +28,51 @@ def _mismatch(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _linear_case(m: int) -> dict[str, float]:
     from kernels import linear_triton as lt
+    from kernels.linear_bind_triton import bind_linear
 
     w, w_gate_up = _rand(37, 100, scale=0.1), _rand(74, 100, scale=0.1)
     first = _rand(m, 100)
     lt.linear_triton(first, w)  # the general call a binding follows
-    plain, head = lt.bind_linear(first, w), lt.bind_linear(first, w, out_dtype=torch.float32)
+    plain, head = bind_linear(first, w), bind_linear(first, w, out_dtype=torch.float32)
     x = _rand(m, 100)
     errors = {
         "plain": _mismatch(plain(x, None)[0], lt.linear_triton(x, w)),
         "plain_h_is_x": float(plain(x, None)[1] is not x),
         "fp32_head": _mismatch(head(x, None)[0], lt.linear_fp32_triton(x, w)),
     }
-    if m == 1:
-        residual = _rand(1, 100)
-        normed = lt.bind_linear(first, w, norm=(None, 1e-6, _rand(1, 100)))
-        fused = lt.bind_linear(first, w_gate_up, silu_mul=True, norm=(None, 1e-6, None))
-        y, h = normed(x, residual)
-        y_ref, h_ref = lt.rms_norm_linear_triton(x, None, 1e-6, residual, w)
-        errors.update(normed=_mismatch(y, y_ref), normed_h=_mismatch(h, h_ref))
-        y, h = fused(x, None)
-        y_ref, h_ref = lt.rms_norm_linear_silu_and_mul_triton(x, None, 1e-6, None, w_gate_up)
-        errors.update(first_layer_fused=_mismatch(y, y_ref), first_layer_fused_h=_mismatch(h, h_ref))
-    else:  # the norm kernel then the GEMM: not bound
-        errors["normed_gemm_bound"] = float(lt.bind_linear(first, w, norm=(None, 1e-6, None)) is not None)
+    # One row: the pre-normed GEMV. More: the norm kernel, then the GEMM.
+    residual = _rand(m, 100)
+    normed = bind_linear(first, w, norm=(None, 1e-6, _rand(m, 100)))
+    fused = bind_linear(first, w_gate_up, silu_mul=True, norm=(None, 1e-6, None))
+    y, h = normed(x, residual)
+    y_ref, h_ref = lt.rms_norm_linear_triton(x, None, 1e-6, residual, w)
+    errors.update(normed=_mismatch(y, y_ref), normed_h=_mismatch(h, h_ref))
+    y, h = fused(x, None)
+    y_ref, h_ref = lt.rms_norm_linear_silu_and_mul_triton(x, None, 1e-6, None, w_gate_up)
+    errors.update(first_layer_fused=_mismatch(y, y_ref), first_layer_fused_h=_mismatch(h, h_ref))
     return errors
+
+
+def _cublas_case() -> dict[str, float]:
+    """Keys the race gave to cuBLAS (set here: the interpreter never races) bind to the mm, and
+    the pre-normed ones to the norm kernel, then the mm (then SiLU-and-mul). CPU torch has no
+    mm with an fp32 result from bf16: the fp32 head's mm runs on the GPU only."""
+    from kernels import linear_triton as lt
+    from kernels.linear_bind_triton import bind_linear
+
+    w, w_gate_up = _rand(37, 100, scale=0.1), _rand(74, 100, scale=0.1)
+    first, x, residual = _rand(4, 100), _rand(4, 100), _rand(4, 100)
+    for fused in (False, True):
+        lt._cublas_faster[lt._tuning_key(first, 37, fused, None, BF16)] = True
+    plain = bind_linear(first, w)
+    normed = bind_linear(first, w_gate_up, silu_mul=True, norm=(None, 1e-6, residual))
+    y, h = normed(x, residual)
+    y_ref, h_ref = lt.rms_norm_linear_silu_and_mul_triton(x, None, 1e-6, residual, w_gate_up)
+    return {
+        "plain": _mismatch(plain(x, None)[0], lt.linear_triton(x, w)),
+        "normed_fused": _mismatch(y, y_ref),
+        "normed_fused_h": _mismatch(h, h_ref),
+    }
 
 
 def _gdn_case(batch: int) -> dict[str, float]:
@@ -135,6 +156,7 @@ def _norm_rope_case() -> dict[str, float]:
 CASES = {
     "linear_m1": lambda: _linear_case(1),
     "linear_m3": lambda: _linear_case(3),
+    "linear_cublas": _cublas_case,
     "gdn_b1": lambda: _gdn_case(1),
     "gdn_b3": lambda: _gdn_case(3),
     "attention": lambda: _attention_case(False),
