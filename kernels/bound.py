@@ -12,8 +12,9 @@ their outputs and launch; a linear whose key cuBLAS answers calls the mm itself
 the results are the same bit for bit.
 
 On CPU tensors a bound op is the general op. So is it for a layout it has no binding for (an input
-the general path would copy first, more than ``MAX_BOUND_ROWS`` rows, as in prefill). It binds outside CUDA-graph capture only: a capture records kernels without running
-them, so a tensor made there holds nothing until the graph replays. Weights and states are bound as
+the general path would copy first, more than ``MAX_BOUND_ROWS`` rows, as in prefill). It binds
+outside CUDA-graph capture only: a capture records kernels without running them, so a tensor made
+there holds nothing until the graph replays. Weights and states are bound as
 they are at binding: the layers make new bound ops when they allocate their caches.
 """
 

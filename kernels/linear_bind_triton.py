@@ -60,15 +60,12 @@ def _bind_plain(
     n_out = lt._gate_up_rows(w) if silu_mul else w.shape[0]
     y_dtype = x.dtype if out_dtype is None else out_dtype
     key = lt._tuning_key(x, n_out, silu_mul, None, y_dtype)
-    cublas_faster = lt._cublas_faster.get(key)
-    if cublas_faster:
+    if lt._cublas_faster.get(key):
         return _bind_cublas(w, silu_mul, y_dtype)
-    if not (lt._INTERPRET or (cublas_faster is False and key in lt._best_configs)):
+    if not _tuned(key):
         return None
     y = torch.empty((m, n_out), dtype=y_dtype, device=x.device)
-    grid_of, args, constexprs, _ = lt._arguments(key, x, w, y, None)
-    launch, meta, constexpr_values, options = lt._prepare(key[0], key, len(args), constexprs)
-    bound = launch.bind(grid_of(meta), (*args, *constexpr_values), (x, y), **options)
+    bound = _bind_kernel(key, x, w, y, None, (x, y))
 
     def plain(x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         y = torch.empty((m, n_out), dtype=y_dtype, device=x.device)
@@ -76,6 +73,25 @@ def _bind_plain(
         return y, x
 
     return plain
+
+
+def _tuned(key: tuple[object, ...]) -> bool:
+    """Whether the key's Triton kernel is tuned and won the race (under the interpreter, always)."""
+    return lt._INTERPRET or (lt._cublas_faster.get(key) is False and key in lt._best_configs)
+
+
+def _bind_kernel(
+    key: tuple[object, ...],
+    x: torch.Tensor,
+    w: torch.Tensor,
+    y: torch.Tensor,
+    pre_norm: lt.PreNorm | None,
+    per_call: tuple[torch.Tensor, ...],
+) -> Callable[..., None]:
+    """The key's tuned kernel on these tensors, bound with ``per_call`` left open."""
+    grid_of, args, constexprs, _ = lt._arguments(key, x, w, y, pre_norm)
+    launch, meta, constexpr_values, options = lt._prepare(key[0], key, len(args), constexprs)
+    return launch.bind(grid_of(meta), (*args, *constexpr_values), per_call, **options)
 
 
 def _bind_cublas(w: torch.Tensor, silu_mul: bool, y_dtype: torch.dtype) -> BoundLinear:
@@ -90,16 +106,16 @@ def _bind_cublas(w: torch.Tensor, silu_mul: bool, y_dtype: torch.dtype) -> Bound
 
 
 def _bind_normed_gemv(x: torch.Tensor, w: torch.Tensor, silu_mul: bool, norm: Norm) -> BoundLinear | None:
+    residual = norm[2]
+    if residual is not None and not residual.is_contiguous():
+        return None  # the general path would copy it first
     n_out = lt._gate_up_rows(w) if silu_mul else w.shape[0]
     pre_norm = lt.PreNorm.build(x, *norm)
     key = lt._tuning_key(x, n_out, silu_mul, pre_norm, x.dtype)
-    if not (lt._INTERPRET or (lt._cublas_faster.get(key) is False and key in lt._best_configs)):
+    if not _tuned(key):
         return None
     y = torch.empty((1, n_out), dtype=x.dtype, device=x.device)
-    grid_of, args, constexprs, h = lt._arguments(key, x, w, y, pre_norm)
-    launch, meta, constexpr_values, options = lt._prepare(key[0], key, len(args), constexprs)
-    full_args = (*args, *constexpr_values)
-    bound = launch.bind(grid_of(meta), full_args, (x, y, pre_norm.residual, h), **options)
+    bound = _bind_kernel(key, x, w, y, pre_norm, (x, y, pre_norm.residual, pre_norm.h))
     zeros = lt._zeros_like(x)  # the first layer's residual (outside capture: bind there only)
 
     def pre_normed(x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
