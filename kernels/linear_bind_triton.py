@@ -46,18 +46,18 @@ def bind_linear(
     m, k = x.shape
     if m == 0 or w.shape[0] == 0 or x.stride(1) != 1:
         return None
+    n_out = lt._gate_up_rows(w) if silu_mul else w.shape[0]
     if norm is None:
-        return _bind_plain(x, w, silu_mul, out_dtype)
+        return _bind_plain(x, w, n_out, silu_mul, out_dtype)
     if m == 1 and k <= linear_gemv_triton.NORMED_MAX_K:
-        return _bind_normed_gemv(x, w, silu_mul, norm)
-    return _bind_norm_then_linear(x, w, silu_mul, norm)
+        return _bind_normed_gemv(x, w, n_out, silu_mul, norm)
+    return _bind_norm_then_linear(x, w, n_out, silu_mul, norm)
 
 
 def _bind_plain(
-    x: torch.Tensor, w: torch.Tensor, silu_mul: bool, out_dtype: torch.dtype | None
+    x: torch.Tensor, w: torch.Tensor, n_out: int, silu_mul: bool, out_dtype: torch.dtype | None
 ) -> BoundLinear | None:
     m = x.shape[0]
-    n_out = lt._gate_up_rows(w) if silu_mul else w.shape[0]
     y_dtype = x.dtype if out_dtype is None else out_dtype
     key = lt._tuning_key(x, n_out, silu_mul, None, y_dtype)
     if lt._cublas_faster.get(key):
@@ -105,11 +105,12 @@ def _bind_cublas(w: torch.Tensor, silu_mul: bool, y_dtype: torch.dtype) -> Bound
     return lambda x, residual: (torch.mm(x, w_t), x)
 
 
-def _bind_normed_gemv(x: torch.Tensor, w: torch.Tensor, silu_mul: bool, norm: Norm) -> BoundLinear | None:
+def _bind_normed_gemv(
+    x: torch.Tensor, w: torch.Tensor, n_out: int, silu_mul: bool, norm: Norm
+) -> BoundLinear | None:
     residual = norm[2]
     if residual is not None and not residual.is_contiguous():
         return None  # the general path would copy it first
-    n_out = lt._gate_up_rows(w) if silu_mul else w.shape[0]
     pre_norm = lt.PreNorm.build(x, *norm)
     key = lt._tuning_key(x, n_out, silu_mul, pre_norm, x.dtype)
     if not _tuned(key):
@@ -128,12 +129,12 @@ def _bind_normed_gemv(x: torch.Tensor, w: torch.Tensor, silu_mul: bool, norm: No
 
 
 def _bind_norm_then_linear(
-    x: torch.Tensor, w: torch.Tensor, silu_mul: bool, norm: Norm
+    x: torch.Tensor, w: torch.Tensor, n_out: int, silu_mul: bool, norm: Norm
 ) -> BoundLinear | None:
     """``linear_triton._pre_normed`` past one row: the norm kernel, then the linear of its rows."""
     weight, eps, residual = norm
     normed_rows = bind_rms_norm(x, weight, eps, residual)
-    linear = _bind_plain(torch.empty_like(x), w, silu_mul, None)  # the norm's output layout
+    linear = _bind_plain(torch.empty_like(x), w, n_out, silu_mul, None)  # the norm's output layout
     if normed_rows is None or linear is None:
         return None
 

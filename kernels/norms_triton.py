@@ -62,8 +62,9 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 def _rms_norm_arguments(
     x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None
-) -> tuple[tuple[object, ...], dict[str, int]]:
-    """The norm kernel's arguments (new y, and h unless residual is None) and launch options."""
+) -> tuple[tuple[object, ...], dict[str, int], torch.Tensor, torch.Tensor]:
+    """(the norm kernel's arguments, its launch options, y, h): y new, h new unless residual is
+    None (then x itself)."""
     hidden = x.shape[1]
     y = torch.empty_like(x)
     if residual is None:
@@ -87,15 +88,14 @@ def _rms_norm_arguments(
         weight is not None,
         block,
     )
-    return args, {"num_warps": min(max(block // 256, 1), 8)}
+    return args, {"num_warps": min(max(block // 256, 1), 8)}, y, h
 
 
 def rms_norm_triton(
     x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     x = _rows(x)
-    args, options = _rms_norm_arguments(x, weight, eps, None if residual is None else _rows(residual))
-    y, h = args[3], args[4]
+    args, options, y, h = _rms_norm_arguments(x, weight, eps, None if residual is None else _rows(residual))
     if x.shape[0]:
         _rms_norm_launch((x.shape[0],), *args, **options)
     return y, h
@@ -115,8 +115,7 @@ def bind_rms_norm(
     rows = x.shape[0]
     if rows == 0 or x.stride(-1) != 1 or (residual is not None and residual.stride(-1) != 1):
         return None
-    args, options = _rms_norm_arguments(x, weight, eps, residual)
-    y = args[3]
+    args, options, y, h = _rms_norm_arguments(x, weight, eps, residual)
     if residual is None:
         first_layer = _rms_norm_launch.bind((rows,), args, (x, y), **options)
 
@@ -128,7 +127,7 @@ def bind_rms_norm(
             return y, x
 
         return without_residual
-    launch = _rms_norm_launch.bind((rows,), args, (x, residual, y, args[4]), **options)
+    launch = _rms_norm_launch.bind((rows,), args, (x, residual, y, h), **options)
 
     def with_residual(x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         y, h = torch.empty_like(x), torch.empty_like(x)
