@@ -44,7 +44,9 @@ def _auth_key(config: ExecutorConfig) -> bytes | None:
 
 def _spawn_ranks(config: ExecutorConfig, address: str, epoch: int, key: bytes | None) -> list[RankHandle]:
     context = multiprocessing.get_context("spawn")
-    limits = WorkerLimits(config.kv_pages, config.page_size, config.max_slots, config.max_batch_tokens)
+    limits = WorkerLimits(
+        config.kv_pages, config.page_size, config.max_slots, config.max_batch_tokens, config.gpu_memory_utilization
+    )
     ranks = []
     for rank in range(config.tp):
         worker_config = WorkerConfig(

@@ -45,6 +45,20 @@ GEOMETRIES: dict[str, dict[str, object]] = {
         vocab_size=248320,
         tie_word_embeddings=True,
     ),
+    "2b": dict(
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=24,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=16,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        vocab_size=248320,
+        tie_word_embeddings=True,
+    ),
     "4b": dict(
         hidden_size=2560,
         intermediate_size=9216,
@@ -74,6 +88,14 @@ GEOMETRIES: dict[str, dict[str, object]] = {
         tie_word_embeddings=False,
     ),
 }
+GEOMETRIES["27b"] = dict(
+    GEOMETRIES["9b"],
+    hidden_size=5120,
+    intermediate_size=17408,
+    num_hidden_layers=64,
+    num_attention_heads=24,
+    linear_num_value_heads=48,
+)
 ROPE = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}
 
 

@@ -24,6 +24,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("tools.bench", "benchmarks: decode, serve, round trip, sharded load"),
     "eval-mc": ("tools.eval_mc", "multiple-choice accuracy over the chat completions API"),
     "make-tiny-model": ("tools.make_tiny_model", "write a tiny random Qwen3.5 checkpoint"),
+    "make-random-model": ("tools.random_checkpoint", "write a random Qwen3.5 checkpoint of a real size"),
 }
 
 

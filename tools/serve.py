@@ -1,7 +1,9 @@
 """``phalanx serve``: the OpenAI-compatible server over one replica.
 
 Without ``--model`` it serves the embedded tiny demo model (built on first use into the user's
-cache directory) on CPU at TP 2 on 127.0.0.1:8000, and prints a curl line that works against it.
+cache directory) on 127.0.0.1:8000, at TP 2 on CPU (TP 1 on a GPU), and prints a curl line that
+works against it. ``--device`` defaults to cuda where torch sees a GPU; there CUDA graphs are on
+unless ``--enforce-eager``, and memory is sized by ``--gpu-memory-utilization``.
 The replica is launched before the port is bound, so once the address is printed the server is
 ready. ``--port 0`` picks a free port (the printed address names it).
 """
@@ -18,7 +20,14 @@ from pathlib import Path
 import structlog
 
 from executor.errors import ExecutorError
-from tools.launch_options import add_launch_arguments, executor_options, model_dir_problem
+from tools.launch_options import (
+    add_launch_arguments,
+    add_model_arguments,
+    choose_launch,
+    executor_options,
+    model_dir_problem,
+    positive_int,
+)
 from tools.stop_signals import StopSignal
 
 log = structlog.get_logger("phalanx.serve")
@@ -31,21 +40,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model", type=Path, default=None, help="model directory (default: the tiny demo model)"
     )
     parser.add_argument(
-        "--tp", type=int, default=None, help=f"tensor-parallel degree (default: 1; demo: {DEMO_TP})"
+        "--tp", type=int, default=None, help=f"tensor-parallel degree (default: 1; demo on cpu: {DEMO_TP})"
     )
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--cuda-graph", action="store_true", help="decode from CUDA graphs (cuda only)")
+    add_model_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1", help="interface to listen on")
     parser.add_argument("--port", type=port_number, default=8000, help="port (0: a free one)")
     parser.add_argument(
         "--served-model-name", default=None, help="model id in the API (default: directory name)"
     )
-    parser.add_argument("--max-slots", type=int, default=16, help="concurrent decoding requests")
     parser.add_argument(
-        "--kv-pages",
-        type=int,
+        "--max-slots",
+        type=positive_int,
         default=None,
-        help="KV pages per rank (default: 512 on cpu, all that fit on cuda)",
+        help="concurrent decoding requests (default: 16 on cpu; on cuda up to 256, the largest "
+        "graph bucket, while their states take at most half of the cache memory)",
     )
     parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     parser.add_argument("--max-batch-tokens", type=int, default=2048, help="tokens of one prefill step")
@@ -80,24 +88,6 @@ def curl_line(base: str, model: str) -> str:
     return f"curl {base}/v1/chat/completions -H 'Content-Type: application/json' -d {shlex.quote(json.dumps(body))}"
 
 
-def eager_decode_note(device: str, cuda_graph: bool) -> str | None:
-    """What serve prints when a replica will decode eagerly where the user might expect otherwise:
-    on CUDA without ``--cuda-graph`` (graphs are opt-in: the pre-capture sweep adds seconds to
-    startup, and they are what makes small batches fast), and with ``--cuda-graph`` on a device
-    that has no CUDA graphs."""
-    if device == "cuda" and not cuda_graph:
-        return (
-            "note: decode runs eagerly; --cuda-graph replays one CUDA graph per batch bucket "
-            "(4B geometry, batch 1 on an H200: about 2.4 ms a step, against 6-12 ms eagerly)"
-        )
-    if device != "cuda" and cuda_graph:
-        return (
-            f"note: --cuda-graph has no effect on {device}: decode runs the graph runner's static "
-            "buffers and pre-capture sweep eagerly"
-        )
-    return None
-
-
 def _listen(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -117,27 +107,28 @@ def run(args: argparse.Namespace) -> int:
     if args.model is None:
         from tools.demo_model import demo_model_dir
 
-        tp = DEMO_TP if args.tp is None else args.tp
         model_dir, name = demo_model_dir(), args.served_model_name or "tiny-demo"
     else:
-        model_dir, tp, name = args.model, 1 if args.tp is None else args.tp, args.served_model_name
+        model_dir, name = args.model, args.served_model_name
     problem = model_dir_problem(model_dir)
+    if problem is None:
+        try:
+            choice = choose_launch(args, Path(model_dir), args.max_slots)
+        except ValueError as exc:
+            problem = str(exc)
     if problem is not None:
         print(f"phalanx serve: error: {problem}", file=sys.stderr)
         return 2
-    kv_pages = args.kv_pages if args.kv_pages is not None else (512 if args.device == "cpu" else 0)
+    tp = args.tp if args.tp is not None else (DEMO_TP if args.model is None and choice.device == "cpu" else 1)
     config = EngineConfig(
         model_dir=model_dir,
         tp=tp,
-        device=args.device,
-        max_slots=args.max_slots,
-        kv_pages=kv_pages,
         page_size=args.page_size,
         max_batch_tokens=args.max_batch_tokens,
         step_timeout=args.step_timeout,
-        cuda_graph=args.cuda_graph,
         pipeline=args.pipeline,
         executor_options=executor_options(args),
+        **choice.engine_fields(),
     )
     try:
         sock = _listen(args.host, args.port)
@@ -155,11 +146,12 @@ def run(args: argparse.Namespace) -> int:
         model = app.state.phalanx.model_name
         host, port = sock.getsockname()[:2]
         base = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
-        print(f"phalanx serving {model!r} (tp={tp}, {args.device}) on {base}", flush=True)
+        decode = "CUDA graphs" if choice.cuda_graph else "eager"
+        print(
+            f"phalanx serving {model!r} (tp={tp}, {choice.device}, {choice.dtype}, {decode} decode) on {base}",
+            flush=True,
+        )
         print(f"try: {curl_line(base, model)}", flush=True)
-        note = eager_decode_note(args.device, args.cuda_graph)
-        if note:
-            print(note, flush=True)
         # The app has no lifespan handlers. With them on, the SIGINT that uvicorn re-raises after
         # draining could cancel the lifespan task mid-shutdown, which logged a spurious traceback.
         server = uvicorn.Server(

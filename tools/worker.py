@@ -40,7 +40,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--kv-pages", type=int, default=0, help="KV pages cap (0 on cuda: as many as fit)")
     parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--max-slots", type=int, default=16, help="decode slots (concurrent requests)")
+    parser.add_argument(
+        "--max-slots",
+        type=int,
+        default=0,
+        help="decode slots, concurrent requests (0 on cuda: up to 256 as memory allows)",
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.9, help="fraction of the GPU's memory to use"
+    )
     parser.add_argument("--max-batch-tokens", type=int, default=2048)
     parser.add_argument("--dist-init-timeout", type=float, default=60.0, help="startup watchdog, seconds")
     parser.add_argument("--gate-timeout", type=float, default=600.0, help="wait for Go/Cancel, seconds")
@@ -66,8 +74,8 @@ def run(args: argparse.Namespace) -> int:
     if not args.coordinator:
         print("phalanx worker: give --coordinator or set PHALANX_COORDINATOR", file=sys.stderr)
         return 2
-    if args.device == "cpu" and args.kv_pages <= 0:
-        print("phalanx worker: --kv-pages must be positive on cpu", file=sys.stderr)
+    if args.device == "cpu" and (args.kv_pages <= 0 or args.max_slots <= 0):
+        print("phalanx worker: --kv-pages and --max-slots must be positive on cpu", file=sys.stderr)
         return 2
     try:
         key = key_from_secret(shared_secret_from_env())
@@ -79,7 +87,9 @@ def run(args: argparse.Namespace) -> int:
         rank=_env_int("RANK", "SLURM_PROCID"),
         world_size=_env_int("WORLD_SIZE", "SLURM_NTASKS"),
         coordinator=args.coordinator,
-        limits=WorkerLimits(args.kv_pages, args.page_size, args.max_slots, args.max_batch_tokens),
+        limits=WorkerLimits(
+            args.kv_pages, args.page_size, args.max_slots, args.max_batch_tokens, args.gpu_memory_utilization
+        ),
         device=args.device,
         local_rank=_env_int("LOCAL_RANK", "SLURM_LOCALID", default=0),
         dtype=args.dtype,
