@@ -27,6 +27,7 @@ class ExecutorConfig:
     attach: bool = False  # True: ranks are started elsewhere (torchrun) and connect over tcp
     heartbeat_timeout: float = 2.0  # attached ranks: silence longer than this means dead
     log_level: str = "info"
+    log_format: str = "console"  # "console" or "json" (protocol.logs), for the coordinator and ranks
     record: str | None = None  # append every frame sent and received to this trace (phalanx replay)
 
     def __post_init__(self) -> None:

@@ -1,5 +1,5 @@
-"""Launch flags shared by ``phalanx serve`` and ``phalanx generate``: recording, attached ranks, and
-the model directory check both make before paying for a launch."""
+"""Launch flags shared by ``phalanx serve`` and ``phalanx generate``: recording, attached ranks, the
+log flags, and the model directory check both make before paying for a launch."""
 
 from __future__ import annotations
 
@@ -7,6 +7,10 @@ import argparse
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
+
+from protocol.logs import LOG_FORMATS, LOG_LEVELS
+
+DEVICE_HELP = "where the ranks run: cuda (one GPU per rank, bf16, NCCL) or cpu (float32, gloo)"
 
 
 def model_dir_problem(model_dir: str | Path) -> str | None:
@@ -22,8 +26,27 @@ def model_dir_problem(model_dir: str | Path) -> str | None:
     return None
 
 
+def add_log_arguments(parser: argparse.ArgumentParser, level: bool = True) -> None:
+    """``--log-format``, and ``--log-level`` unless the command has its own way to set it."""
+    if level:
+        parser.add_argument(
+            "--log-level",
+            choices=LOG_LEVELS,
+            default="info",
+            help="the lowest level logged, by the coordinator, every rank and the HTTP server",
+        )
+    parser.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default="console",
+        help="console: one short aligned line per record; json: one JSON object per line (log shippers)",
+    )
+
+
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--record", help="append every protocol frame to this trace (see phalanx replay)")
+    parser.add_argument(
+        "--record", help="append every protocol frame to this trace (see phalanx replay; default: none)"
+    )
     parser.add_argument(
         "--no-pipeline",
         dest="pipeline",
@@ -37,7 +60,7 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         type=_attach_address,
         help="do not spawn ranks: bind here and wait for --tp ranks started elsewhere "
         "(torchrun/SLURM running `phalanx worker --coordinator tcp://HOST:PORT`); "
-        "both sides need the same PHALANX_SECRET",
+        "both sides need the same PHALANX_SECRET (default: spawn the ranks here)",
     )
 
 
@@ -62,7 +85,7 @@ def _attach_address(address: str) -> tuple[str, int]:
 
 def executor_options(args: argparse.Namespace) -> dict[str, Any]:
     """The ExecutorConfig fields these flags set (passed as EngineConfig.executor_options)."""
-    options: dict[str, Any] = {}
+    options: dict[str, Any] = {"log_level": args.log_level, "log_format": args.log_format}
     if args.record:
         options["record"] = args.record
     if args.attach:

@@ -3,22 +3,32 @@
 Without ``--model`` it serves the embedded tiny demo model (built on first use into the user's
 cache directory) on CPU at TP 2 on 127.0.0.1:8000, and prints a curl line that works against it.
 The replica is launched before the port is bound, so once the address is printed the server is
-ready. ``--port 0`` picks a free port (the printed address names it).
+ready. ``--port 0`` picks a free port (the printed address names it). Flags that mean what vLLM's
+do carry vLLM's names (``--tensor-parallel-size``, ``--max-num-seqs`` …) beside the short ones.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import shlex
 import socket
 import sys
 from pathlib import Path
 
 import structlog
+from setproctitle import setproctitle
 
 from executor.errors import ExecutorError
-from tools.launch_options import add_launch_arguments, executor_options, model_dir_problem
+from tools.launch_options import (
+    DEVICE_HELP,
+    add_launch_arguments,
+    add_log_arguments,
+    executor_options,
+    model_dir_problem,
+)
 from tools.stop_signals import StopSignal
 
 log = structlog.get_logger("phalanx.serve")
@@ -31,16 +41,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model", type=Path, default=None, help="model directory (default: the tiny demo model)"
     )
     parser.add_argument(
-        "--tp", type=int, default=None, help=f"tensor-parallel degree (default: 1; demo: {DEMO_TP})"
+        "--tp",
+        "--tensor-parallel-size",
+        dest="tp",
+        type=int,
+        default=None,
+        help=f"tensor-parallel degree: ranks, one GPU each (default: 1; demo: {DEMO_TP})",
     )
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help=DEVICE_HELP)
     parser.add_argument("--cuda-graph", action="store_true", help="decode from CUDA graphs (cuda only)")
     parser.add_argument("--host", default="127.0.0.1", help="interface to listen on")
     parser.add_argument("--port", type=port_number, default=8000, help="port (0: a free one)")
     parser.add_argument(
         "--served-model-name", default=None, help="model id in the API (default: directory name)"
     )
-    parser.add_argument("--max-slots", type=int, default=16, help="concurrent decoding requests")
+    parser.add_argument(
+        "--max-slots",
+        "--max-num-seqs",
+        dest="max_slots",
+        type=int,
+        default=16,
+        help="requests decoding at once (decode slots)",
+    )
     parser.add_argument(
         "--kv-pages",
         type=int,
@@ -56,7 +78,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="max_tokens of a chat request that names none (default: the rest of the context)",
     )
     parser.add_argument("--step-timeout", type=float, default=300.0, help="seconds one engine step may take")
-    parser.add_argument("--log-level", default="warning", help="uvicorn's access/error log level")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("PHALANX_API_KEY") or None,
+        help="every route but /health and /metrics wants 'Authorization: Bearer KEY' "
+        "(default: $PHALANX_API_KEY; unset: no key is asked for)",
+    )
+    parser.add_argument(
+        "--chat-template",
+        default=None,
+        help="a jinja chat template file, or the template itself, in place of the checkpoint's "
+        "(default: the checkpoint's tokenizer_config.json or chat_template.jinja)",
+    )
+    parser.add_argument(
+        "--stats-interval",
+        type=seconds,
+        default=5.0,
+        help="seconds between stats lines (throughput, requests, KV use) while busy; 0: none",
+    )
+    add_log_arguments(parser)
     add_launch_arguments(parser)
 
 
@@ -71,13 +111,30 @@ def port_number(text: str) -> int:
     return port
 
 
-def curl_line(base: str, model: str) -> str:
-    body = {
-        "model": model,
-        "messages": [{"role": "user", "content": "Hello! Who are you?"}],
-        "max_tokens": 32,
-    }
-    return f"curl {base}/v1/chat/completions -H 'Content-Type: application/json' -d {shlex.quote(json.dumps(body))}"
+def seconds(text: str) -> float:
+    """A duration of 0 seconds or more."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more seconds, got {text!r}")
+    return value
+
+
+def curl_line(base: str, model: str, chat: bool = True, api_key: str | None = None) -> str:
+    """A curl command that works against this server: chat when the model has a chat template,
+    else a plain completion. A key is never printed: the line reads it from $PHALANX_API_KEY."""
+    if chat:
+        route = "chat/completions"
+        body = {"model": model, "messages": [{"role": "user", "content": "Hello! Who are you?"}]}
+    else:
+        route, body = "completions", {"model": model, "prompt": "Hello! My name is"}
+    body["max_tokens"] = 32
+    auth = ' -H "Authorization: Bearer $PHALANX_API_KEY"' if api_key else ""
+    return (
+        f"curl {base}/v1/{route} -H 'Content-Type: application/json'{auth} -d {shlex.quote(json.dumps(body))}"
+    )
 
 
 def eager_decode_note(device: str, cuda_graph: bool) -> str | None:
@@ -112,19 +169,30 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from executor.engine import Engine, EngineConfig
+    from executor.logs import configure_logging
     from server.app import create_app
+    from server.chat_template import ChatTemplate, ChatTemplateError
+    from server.stats_log import StatsLog
 
+    configure_logging(args.log_level, args.log_format)
     if args.model is None:
         from tools.demo_model import demo_model_dir
 
         tp = DEMO_TP if args.tp is None else args.tp
         model_dir, name = demo_model_dir(), args.served_model_name or "tiny-demo"
     else:
-        model_dir, tp, name = args.model, 1 if args.tp is None else args.tp, args.served_model_name
+        model_dir, tp = args.model, 1 if args.tp is None else args.tp
+        name = args.served_model_name or Path(model_dir).name
     problem = model_dir_problem(model_dir)
+    if problem is None and args.chat_template is not None:
+        try:
+            ChatTemplate.from_model_dir(model_dir, args.chat_template)
+        except ChatTemplateError as e:
+            problem = f"--chat-template: {e}"
     if problem is not None:
         print(f"phalanx serve: error: {problem}", file=sys.stderr)
         return 2
+    setproctitle(f"phalanx serve ({name})")
     kv_pages = args.kv_pages if args.kv_pages is not None else (512 if args.device == "cpu" else 0)
     config = EngineConfig(
         model_dir=model_dir,
@@ -151,22 +219,36 @@ def run(args: argparse.Namespace) -> int:
         print(f"phalanx serve: error: the replica did not start: {e}", file=sys.stderr)
         return 1
     with sock, engine:
-        app = create_app(engine, model_dir, name, args.default_max_tokens)
-        model = app.state.phalanx.model_name
+        app = create_app(
+            engine,
+            model_dir,
+            name,
+            args.default_max_tokens,
+            api_key=args.api_key,
+            chat_template=args.chat_template,
+        )
+        state = app.state.phalanx
         host, port = sock.getsockname()[:2]
         base = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
-        print(f"phalanx serving {model!r} (tp={tp}, {args.device}) on {base}", flush=True)
-        print(f"try: {curl_line(base, model)}", flush=True)
+        print(f"phalanx serving {name!r} (tp={tp}, {args.device}) on {base}", flush=True)
+        print(f"try: {curl_line(base, name, state.template is not None, args.api_key)}", flush=True)
         note = eager_decode_note(args.device, args.cuda_graph)
         if note:
             print(note, flush=True)
         # The app has no lifespan handlers. With them on, the SIGINT that uvicorn re-raises after
         # draining could cancel the lifespan task mid-shutdown, which logged a spurious traceback.
+        # log_config=None: uvicorn's records go through our log pipeline; the access log is ours.
         server = uvicorn.Server(
-            uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5, lifespan="off")
+            uvicorn.Config(
+                app, log_config=None, access_log=False, timeout_graceful_shutdown=5, lifespan="off"
+            )
+        )
+        stats = (
+            StatsLog(engine.stats, state.metrics.totals, args.stats_interval) if args.stats_interval else None
         )
         try:  # uvicorn drains, then re-raises the signal it stopped on (the CLI's StopSignal)
-            server.run(sockets=[sock])
+            with stats or contextlib.nullcontext():
+                server.run(sockets=[sock])
         except (KeyboardInterrupt, StopSignal) as stop:
             name = "SIGINT" if isinstance(stop, KeyboardInterrupt) else str(stop)
             print(

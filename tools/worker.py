@@ -16,6 +16,8 @@ import os
 import signal
 import sys
 
+from tools.launch_options import DEVICE_HELP, add_log_arguments
+
 
 def _env_int(*names: str, default: int | None = None) -> int:
     for name in names:
@@ -34,14 +36,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get("PHALANX_COORDINATOR"),
         help="the coordinator's tcp:// address (default: $PHALANX_COORDINATOR)",
     )
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda", help=DEVICE_HELP)
     parser.add_argument(
         "--dtype", default="", help="torch dtype name (default: float32 on cpu, bfloat16 on cuda)"
     )
     parser.add_argument("--kv-pages", type=int, default=0, help="KV pages cap (0 on cuda: as many as fit)")
-    parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--max-slots", type=int, default=16, help="decode slots (concurrent requests)")
-    parser.add_argument("--max-batch-tokens", type=int, default=2048)
+    parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    parser.add_argument(
+        "--max-slots",
+        "--max-num-seqs",
+        dest="max_slots",
+        type=int,
+        default=16,
+        help="decode slots (requests decoding at once)",
+    )
+    parser.add_argument("--max-batch-tokens", type=int, default=2048, help="tokens of one prefill step")
     parser.add_argument("--dist-init-timeout", type=float, default=60.0, help="startup watchdog, seconds")
     parser.add_argument("--gate-timeout", type=float, default=600.0, help="wait for Go/Cancel, seconds")
     parser.add_argument("--heartbeat-interval", type=float, default=0.5, help="seconds between heartbeats")
@@ -52,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="exit after this many seconds without a connection to the coordinator",
     )
     parser.add_argument("--cuda-graph", action="store_true", help="decode from CUDA graphs")
-    parser.add_argument("--log-level", default="info")
+    add_log_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -89,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
         coordinator_grace=args.coordinator_grace,
         cuda_graph=args.cuda_graph,
         log_level=args.log_level,
+        log_format=args.log_format,
         auth_key=key.hex(),
     )
     return run_worker(config)
