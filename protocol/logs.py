@@ -3,7 +3,7 @@ share one stderr, so all of them render through the same structlog pipeline, in 
 
 - ``console`` (the default): one short aligned line per record for a person at a terminal::
 
-      INFO  12-03 01:47:17 r0    model loaded                   world_size=2 dtype=float32
+      INFO    12-03 01:47:17 r0    ready                          capacity={kv_pages=512 page_size=16}
 
   The rank is ``r0``, ``r1`` …, the coordinator ``coord``; the launch epoch is left out (it is
   logged once at startup) and values are plain text, never Python reprs.
@@ -75,7 +75,7 @@ class ConsoleRenderer:
     def __call__(self, _logger: object, _name: str, event_dict: EventDict) -> str:
         level = str(event_dict.get("level", "info")).upper()
         stamp = time.strftime("%m-%d %H:%M:%S", time.localtime(event_dict.get("_created", time.time())))
-        head = f"{level:<5} {stamp} {_who(event_dict.get('rank')):<5} "
+        head = f"{level:<7} {stamp} {_who(event_dict.get('rank')):<5} "
         event = str(event_dict.get("event", ""))
         fields = [
             f"{key}={_console_value(value)}"
