@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import hmac
+from collections.abc import Callable
 
 from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
@@ -28,16 +29,18 @@ def _refusal(headers: Headers, api_key: str) -> str | None:
 
 
 class ApiKeyCheck:
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_key: str, on_refused: Callable[[], object]) -> None:
         if not api_key:
             raise ValueError("the API key must not be empty")
         self.app = app
         self.api_key = api_key
+        self.on_refused = on_refused
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             refusal = _refusal(Headers(scope=scope), self.api_key)
             if refusal is not None:
+                self.on_refused()
                 body = error_body(refusal, "invalid_request_error", code="invalid_api_key")
                 response = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
                 await response(scope, receive, send)

@@ -67,7 +67,7 @@ def create_app(
     )
     app.include_router(router)
     if api_key:
-        app.add_middleware(ApiKeyCheck, api_key=api_key)
+        app.add_middleware(ApiKeyCheck, api_key=api_key, on_refused=metrics.rejected.inc)
     app.add_middleware(AccessLog)  # outermost: refused requests are logged too
 
     @app.exception_handler(ApiError)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from live_server import REPO, Served, serve_process
+from live_server import REPO, Served, metric, serve_process
 from log_lines import json_records
 
 KEY = "sk-operator-test"
@@ -89,7 +89,7 @@ def test_without_the_key_requests_are_refused_401_in_openai_shape(served: tuple[
         basic.json()["error"]["message"] == "the Authorization header must use the Bearer scheme, got 'Basic'"
     )
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
-    assert httpx.get(server.url + "/metrics", timeout=10).status_code == 200
+    assert metric(server.url, "phalanx_requests_rejected_total") == 3  # /metrics wants no key either
     assert _complete(server.url, body).status_code == 200
     statuses = [(r["path"], r["status"]) for r in _records(log_path, "request")]
     assert statuses[-4:] == [
