@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import shlex
 import socket
@@ -112,17 +113,17 @@ def port_number(text: str) -> int:
 
 
 def seconds(text: str) -> float:
-    """A duration of 0 seconds or more."""
+    """A finite duration of 0 seconds or more."""
     try:
         value = float(text)
     except ValueError:
         value = -1.0
-    if not value >= 0:
+    if not 0 <= value < math.inf:
         raise argparse.ArgumentTypeError(f"must be 0 or more seconds, got {text!r}")
     return value
 
 
-def curl_line(base: str, model: str, chat: bool = True, api_key: str | None = None) -> str:
+def curl_line(base: str, model: str, chat: bool = True, with_key: bool = False) -> str:
     """A curl command that works against this server: chat when the model has a chat template,
     else a plain completion. A key is never printed: the line reads it from $PHALANX_API_KEY."""
     if chat:
@@ -131,7 +132,7 @@ def curl_line(base: str, model: str, chat: bool = True, api_key: str | None = No
     else:
         route, body = "completions", {"model": model, "prompt": "Hello! My name is"}
     body["max_tokens"] = 32
-    auth = ' -H "Authorization: Bearer $PHALANX_API_KEY"' if api_key else ""
+    auth = ' -H "Authorization: Bearer $PHALANX_API_KEY"' if with_key else ""
     return (
         f"curl {base}/v1/{route} -H 'Content-Type: application/json'{auth} -d {shlex.quote(json.dumps(body))}"
     )
@@ -165,30 +166,43 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _model_tp_and_name(args: argparse.Namespace) -> tuple[Path, int, str]:
+    """The model directory, TP degree and served name: the demo's unless ``--model`` is given."""
+    if args.model is None:
+        from tools.demo_model import demo_model_dir
+
+        return (
+            demo_model_dir(),
+            DEMO_TP if args.tp is None else args.tp,
+            args.served_model_name or "tiny-demo",
+        )
+    return args.model, 1 if args.tp is None else args.tp, args.served_model_name or args.model.name
+
+
+def _model_problem(model_dir: Path, chat_template: str | None) -> str | None:
+    """What keeps the model from being served, checked before any rank starts (None: nothing)."""
+    from server.chat_template import ChatTemplate, ChatTemplateError
+
+    problem = model_dir_problem(model_dir)
+    if problem is None and chat_template is not None:
+        try:
+            ChatTemplate.from_model_dir(model_dir, chat_template)
+        except ChatTemplateError as e:
+            problem = f"--chat-template: {e}"
+    return problem
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from executor.engine import Engine, EngineConfig
     from executor.logs import configure_logging
     from server.app import create_app
-    from server.chat_template import ChatTemplate, ChatTemplateError
     from server.stats_log import StatsLog
 
     configure_logging(args.log_level, args.log_format)
-    if args.model is None:
-        from tools.demo_model import demo_model_dir
-
-        tp = DEMO_TP if args.tp is None else args.tp
-        model_dir, name = demo_model_dir(), args.served_model_name or "tiny-demo"
-    else:
-        model_dir, tp = args.model, 1 if args.tp is None else args.tp
-        name = args.served_model_name or Path(model_dir).name
-    problem = model_dir_problem(model_dir)
-    if problem is None and args.chat_template is not None:
-        try:
-            ChatTemplate.from_model_dir(model_dir, args.chat_template)
-        except ChatTemplateError as e:
-            problem = f"--chat-template: {e}"
+    model_dir, tp, name = _model_tp_and_name(args)
+    problem = _model_problem(model_dir, args.chat_template)
     if problem is not None:
         print(f"phalanx serve: error: {problem}", file=sys.stderr)
         return 2
@@ -231,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
         host, port = sock.getsockname()[:2]
         base = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
         print(f"phalanx serving {name!r} (tp={tp}, {args.device}) on {base}", flush=True)
-        print(f"try: {curl_line(base, name, state.template is not None, args.api_key)}", flush=True)
+        print(f"try: {curl_line(base, name, state.template is not None, bool(args.api_key))}", flush=True)
         note = eager_decode_note(args.device, args.cuda_graph)
         if note:
             print(note, flush=True)
