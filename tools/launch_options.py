@@ -26,6 +26,18 @@ def model_dir_problem(model_dir: str | Path) -> str | None:
     return None
 
 
+def add_max_slots_argument(parser: argparse.ArgumentParser) -> None:
+    """``--max-slots``, with vLLM's name ``--max-num-seqs`` beside it."""
+    parser.add_argument(
+        "--max-slots",
+        "--max-num-seqs",
+        dest="max_slots",
+        type=int,
+        default=16,
+        help="requests decoding at once (decode slots)",
+    )
+
+
 def add_log_arguments(parser: argparse.ArgumentParser, level: bool = True) -> None:
     """``--log-format``, and ``--log-level`` unless the command has its own way to set it."""
     if level:

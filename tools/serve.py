@@ -27,6 +27,7 @@ from tools.launch_options import (
     DEVICE_HELP,
     add_launch_arguments,
     add_log_arguments,
+    add_max_slots_argument,
     executor_options,
     model_dir_problem,
 )
@@ -56,14 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--served-model-name", default=None, help="model id in the API (default: directory name)"
     )
-    parser.add_argument(
-        "--max-slots",
-        "--max-num-seqs",
-        dest="max_slots",
-        type=int,
-        default=16,
-        help="requests decoding at once (decode slots)",
-    )
+    add_max_slots_argument(parser)
     parser.add_argument(
         "--kv-pages",
         type=int,

@@ -16,7 +16,7 @@ import os
 import signal
 import sys
 
-from tools.launch_options import DEVICE_HELP, add_log_arguments
+from tools.launch_options import DEVICE_HELP, add_log_arguments, add_max_slots_argument
 
 
 def _env_int(*names: str, default: int | None = None) -> int:
@@ -42,14 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--kv-pages", type=int, default=0, help="KV pages cap (0 on cuda: as many as fit)")
     parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
-    parser.add_argument(
-        "--max-slots",
-        "--max-num-seqs",
-        dest="max_slots",
-        type=int,
-        default=16,
-        help="decode slots (requests decoding at once)",
-    )
+    add_max_slots_argument(parser)
     parser.add_argument("--max-batch-tokens", type=int, default=2048, help="tokens of one prefill step")
     parser.add_argument("--dist-init-timeout", type=float, default=60.0, help="startup watchdog, seconds")
     parser.add_argument("--gate-timeout", type=float, default=600.0, help="wait for Go/Cancel, seconds")
