@@ -54,6 +54,16 @@ def _records(log_path: Path, event: str) -> list[dict]:
     return [record for record in json_records(log_path.read_text()) if record["event"] == event]
 
 
+def _new_records(log_path: Path, event: str, seen: int, count: int, timeout_s: float = 10.0) -> list[dict]:
+    """The ``count`` records of ``event`` after the first ``seen``: an access line follows the
+    response's last byte, so the client may have read the response before the line is written."""
+    deadline = time.monotonic() + timeout_s
+    while len(records := _records(log_path, event)) < seen + count:
+        assert time.monotonic() < deadline, f"{len(records) - seen} new {event} records, not {count}"
+        time.sleep(0.02)
+    return records[seen:]
+
+
 def _complete(url: str, body: dict, key: str | None = KEY) -> httpx.Response:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     return httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=120)
@@ -68,6 +78,7 @@ def test_an_idle_server_writes_no_stats_and_no_access_lines(served: tuple[Served
 
 def test_without_the_key_requests_are_refused_401_in_openai_shape(served: tuple[Served, Path]) -> None:
     server, log_path = served
+    before = len(_records(log_path, "request"))
     body = {"prompt": [1, 2, 3], "max_tokens": 2}
     for key, message in [
         (None, "no API key given: send it as 'Authorization: Bearer KEY'"),
@@ -91,8 +102,8 @@ def test_without_the_key_requests_are_refused_401_in_openai_shape(served: tuple[
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
     assert metric(server.url, "phalanx_requests_rejected_total") == 3  # /metrics wants no key either
     assert _complete(server.url, body).status_code == 200
-    statuses = [(r["path"], r["status"]) for r in _records(log_path, "request")]
-    assert statuses[-4:] == [
+    statuses = [(r["path"], r["status"]) for r in _new_records(log_path, "request", before, 4)]
+    assert statuses == [
         ("/v1/completions", 401),
         ("/v1/completions", 401),
         ("/v1/models", 401),
@@ -116,6 +127,21 @@ def test_the_printed_curl_line_uses_completions_without_a_chat_template(served: 
     assert answer["object"] == "text_completion" and answer["usage"]["completion_tokens"] > 0
 
 
+def test_a_streamed_response_is_logged_once_it_has_streamed(served: tuple[Served, Path]) -> None:
+    server, log_path = served
+    before = len(_records(log_path, "request"))
+    body = {"prompt": [1, 2, 3], "max_tokens": 5, "ignore_eos": True, "stream": True}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with httpx.stream(
+        "POST", server.url + "/v1/completions", json=body, headers=headers, timeout=60
+    ) as answer:
+        frames = [line for line in answer.iter_lines() if line.startswith("data: ")]
+    assert frames[-1] == "data: [DONE]"
+    (record,) = _new_records(log_path, "request", before, 1)
+    assert (record["status"], record["prompt_tokens"], record["completion_tokens"]) == (200, 3, 5)
+    assert 0 < record["ttft_ms"] <= record["total_ms"]
+
+
 def test_load_writes_an_access_line_per_request_and_stats_lines_while_busy(
     served: tuple[Served, Path],
 ) -> None:
@@ -129,8 +155,7 @@ def test_load_writes_an_access_line_per_request_and_stats_lines_while_busy(
     assert [answer.status_code for answer in answers] == [200] * 6
     time.sleep(3 * STATS_INTERVAL_S)  # the line after the burst, then silence
 
-    access = _records(log_path, "request")[before:]
-    assert len(access) == 6
+    access = _new_records(log_path, "request", before, 6)
     for record in access:
         assert (record["method"], record["path"], record["status"]) == ("POST", "/v1/completions", 200)
         assert (record["prompt_tokens"], record["completion_tokens"]) == (5, MAX_TOKENS)
