@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from protocol.logs import level_number, renderer_for
+
 
 @dataclass(frozen=True)
 class ExecutorConfig:
@@ -44,6 +46,8 @@ class ExecutorConfig:
             raise ValueError(
                 f"kv_pages must be positive (0 means 'as many as fit' on cuda only), got {self.kv_pages}"
             )
+        renderer_for(self.log_format)  # raises ValueError naming the formats
+        level_number(self.log_level)
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         for name in (

@@ -12,7 +12,8 @@ import pytest
 import structlog
 
 from executor import logs as executor_logs
-from protocol.logs import ConsoleRenderer
+from executor.config import ExecutorConfig
+from protocol.logs import ConsoleRenderer, configure_logging
 from protocol.messages import Capacity
 from worker import logs as worker_logs
 
@@ -107,6 +108,8 @@ def test_console_values_render_without_python_reprs() -> None:
 
 def test_unknown_formats_and_levels_are_refused() -> None:
     with pytest.raises(ValueError, match="log format must be one of console, json, got 'xml'"):
-        executor_logs.configure_logging(log_format="xml")
+        configure_logging(log_format="xml")
     with pytest.raises(ValueError, match="log level must be one of debug, info, warning, error, got 'loud'"):
-        worker_logs.configure_logging(0, 1, level="loud")
+        configure_logging(level="loud")
+    with pytest.raises(ValueError, match="log format must be one of console, json, got 'xml'"):
+        ExecutorConfig(model_dir="m", log_format="xml")  # refused before a launch, configured or not
