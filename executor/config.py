@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from protocol.logs import level_number, renderer_for
+
 
 @dataclass(frozen=True)
 class ExecutorConfig:
@@ -28,6 +30,7 @@ class ExecutorConfig:
     attach: bool = False  # True: ranks are started elsewhere (torchrun) and connect over tcp
     heartbeat_timeout: float = 2.0  # attached ranks: silence longer than this means dead
     log_level: str = "info"
+    log_format: str = "console"  # "console" or "json" (protocol.logs), for the coordinator and ranks
     record: str | None = None  # append every frame sent and received to this trace (phalanx replay)
 
     def __post_init__(self) -> None:
@@ -52,6 +55,8 @@ class ExecutorConfig:
             raise ValueError(
                 f"kv_pages must be positive (0 means 'as many as fit' on cuda only), got {self.kv_pages}"
             )
+        renderer_for(self.log_format)  # raises ValueError naming the formats
+        level_number(self.log_level)
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         for name in (

@@ -100,7 +100,9 @@ ROPE = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--geometry", choices=sorted(GEOMETRIES), default="4b")
+    parser.add_argument(
+        "--geometry", choices=sorted(GEOMETRIES), default="4b", help="model shape (random weights)"
+    )
     parser.add_argument("--batch", default="1,8,32,64", help="comma-separated batch sizes")
     parser.add_argument("--steps", type=at_least(1), default=20, help="timed decode steps per batch size")
     parser.add_argument(
@@ -124,7 +126,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also time the serving graph path (pre-capture sweep, then bucketed graph replay)",
     )
     parser.add_argument("--vs-transformers", action="store_true", help="time transformers in the same run")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights and inputs")
     parser.add_argument(
         "--profile",
         action="store_true",
@@ -143,7 +145,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="cpu: the multi-rank path on gloo with fp32 weights (a check of the code path, not a benchmark)",
     )
     parser.add_argument(
-        "--json", default=None, help="also write the multi-rank table, ratios and logits check to this file"
+        "--json",
+        default=None,
+        help="also write the multi-rank table, ratios and logits check to this file (default: none)",
     )
 
 

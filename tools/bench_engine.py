@@ -45,8 +45,10 @@ MODES = {"pipelined": True, "blocking": False}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--geometry", choices=sorted(GEOMETRIES), default="4b")
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument(
+        "--geometry", choices=sorted(GEOMETRIES), default="4b", help="model shape (random weights)"
+    )
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="where the benchmark runs")
     parser.add_argument("--batch", default="1,16", help="comma-separated numbers of concurrent requests")
     parser.add_argument("--prompt-len", type=at_least(1), default=512, help="tokens of each prompt")
     parser.add_argument("--output-len", type=at_least(2), default=128, help="tokens each request generates")
@@ -60,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="submit each batch's requests this many ms apart (default 0: all at once)",
     )
     parser.add_argument("--cuda-graph", action="store_true", help="decode from CUDA graphs (cuda only)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights and inputs")
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """Launch flags shared by ``phalanx serve`` and ``phalanx generate``: device, dtype, graphs and
-memory, recording, attached ranks, and the checks both make before paying for a launch."""
+memory, recording, attached ranks, the log flags, and the checks both make before paying for a
+launch."""
 
 from __future__ import annotations
 
@@ -11,11 +12,12 @@ from urllib.parse import urlsplit
 
 import structlog
 
-from executor.logs import configure_logging
 from executor.model_info import ModelInfoError, read_model_info
+from protocol.logs import LOG_FORMATS, LOG_LEVELS
 
 log = structlog.get_logger("phalanx.launch")
 
+DEVICE_HELP = "where the ranks run: cuda (one GPU per rank, NCCL) or cpu (gloo)"
 CPU_KV_PAGES = 512
 CPU_MAX_SLOTS = 16
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -38,13 +40,26 @@ def model_dir_problem(model_dir: str | Path) -> str | None:
     return None
 
 
+def add_max_slots_argument(parser: argparse.ArgumentParser) -> None:
+    """``--max-slots``, with vLLM's name ``--max-num-seqs`` beside it."""
+    parser.add_argument(
+        "--max-slots",
+        "--max-num-seqs",
+        dest="max_slots",
+        type=positive_int,
+        default=None,
+        help="requests decoding at once (default: 16 on cpu; on cuda up to 256, the largest graph "
+        "bucket, while their states take at most half of the cache memory)",
+    )
+
+
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """Device, dtype, graphs and memory: the flags vLLM users know, with the same meanings."""
     parser.add_argument(
         "--device",
         choices=("auto", "cpu", "cuda"),
         default="auto",
-        help="where the ranks run (default: auto, cuda when torch sees a GPU, else cpu)",
+        help=f"{DEVICE_HELP} (default: auto, cuda when torch sees a GPU, else cpu)",
     )
     parser.add_argument(
         "--dtype",
@@ -145,7 +160,6 @@ def detect_device() -> str:
     """``--device auto``: cuda when torch sees a GPU, else cpu; the log says which and why."""
     import torch
 
-    configure_logging()  # before the first line: structlog's default would print it to stdout
     if torch.cuda.is_available():
         count = torch.cuda.device_count()
         log.info("device auto: cuda", gpus=count, name=torch.cuda.get_device_name(0))
@@ -166,8 +180,27 @@ def resolve_dtype(flag: str, device: str, checkpoint: str) -> str:
     return checkpoint if checkpoint in ("bfloat16", "float16") else "bfloat16"
 
 
+def add_log_arguments(parser: argparse.ArgumentParser, level: bool = True) -> None:
+    """``--log-format``, and ``--log-level`` unless the command has its own way to set it."""
+    if level:
+        parser.add_argument(
+            "--log-level",
+            choices=LOG_LEVELS,
+            default="info",
+            help="the lowest level logged, by the coordinator, every rank and the HTTP server",
+        )
+    parser.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default="console",
+        help="console: one short aligned line per record; json: one JSON object per line (log shippers)",
+    )
+
+
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--record", help="append every protocol frame to this trace (see phalanx replay)")
+    parser.add_argument(
+        "--record", help="append every protocol frame to this trace (see phalanx replay; default: none)"
+    )
     parser.add_argument(
         "--no-pipeline",
         dest="pipeline",
@@ -181,7 +214,7 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         type=_attach_address,
         help="do not spawn ranks: bind here and wait for --tp ranks started elsewhere "
         "(torchrun/SLURM running `phalanx worker --coordinator tcp://HOST:PORT`); "
-        "both sides need the same PHALANX_SECRET",
+        "both sides need the same PHALANX_SECRET (default: spawn the ranks here)",
     )
 
 
@@ -206,7 +239,7 @@ def _attach_address(address: str) -> tuple[str, int]:
 
 def executor_options(args: argparse.Namespace) -> dict[str, Any]:
     """The ExecutorConfig fields these flags set (passed as EngineConfig.executor_options)."""
-    options: dict[str, Any] = {}
+    options: dict[str, Any] = {"log_level": args.log_level, "log_format": args.log_format}
     if args.record:
         options["record"] = args.record
     if args.attach:

@@ -36,6 +36,7 @@ class WorkerConfig(msgspec.Struct, frozen=True):
     heartbeat_interval: float = 0.0  # > 0 for ranks the coordinator did not spawn
     coordinator_grace: float = 10.0  # such ranks exit after this long without a coordinator
     log_level: str = "info"
+    log_format: str = "console"  # "console" or "json" (protocol.logs)
     auth_key: str = ""  # hex HMAC-SHA256 key of the tcp control plane ("" on ipc: no authentication)
     cuda_graph: bool = False  # decode through per-bucket graphs (eager static buffers on CPU)
 

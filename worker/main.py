@@ -13,9 +13,11 @@ import threading
 import time
 import traceback
 from datetime import timedelta
+from pathlib import Path
 
 import structlog
 import torch
+from setproctitle import setproctitle
 from tqdm import tqdm
 
 from protocol import PROTOCOL_VERSION, ProtocolError, decode_envelope, encode
@@ -190,7 +192,9 @@ def _startup(sock: RankSocket, config: WorkerConfig) -> tuple[StepRunner, int] |
 
 
 def run_worker(config: WorkerConfig) -> int:
-    configure_logging(config.rank, config.epoch, config.log_level)
+    configure_logging(config.rank, config.epoch, config.log_level, config.log_format)
+    # ps and top name the rank instead of multiprocessing's spawn command line
+    setproctitle(f"phalanx rank {config.rank}/{config.world_size} ({Path(config.model_dir).name})")
     # tqdm's default lock is a multiprocessing semaphore, which a rank leaving through os._exit
     # leaks (the parent's resource tracker then warns); a rank's bars need only a thread lock.
     tqdm.set_lock(threading.RLock())
