@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from tools.bench_decode import GEOMETRIES, ROPE, _random_tensor
+from tools.geometries import GEOMETRIES, ROPE, random_tensor
 
 TEXT_PREFIX = "model.language_model."
 # Not part of the text model: the loader must skip them.
@@ -103,7 +103,7 @@ def write_random_checkpoint(
         config, RankLayout.build(config, 0, 1), include_lm_head=not config.tie_word_embeddings
     ):
         name = spec.name if spec.name in TOP_LEVEL else TEXT_PREFIX + spec.name
-        tensors[name] = _random_tensor(spec, gen, device, torch.bfloat16).cpu()
+        tensors[name] = random_tensor(spec, gen, device, torch.bfloat16).cpu()
     text_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
     for name, shape in SKIPPED_TENSORS.items():
         tensors[name] = torch.zeros(shape, dtype=torch.bfloat16)
