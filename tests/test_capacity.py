@@ -92,3 +92,21 @@ def test_a_model_that_leaves_nothing_for_caches_is_one_sentence(gpu: dict[str, i
 def test_cpu_capacity_is_the_configured_limits() -> None:
     capacity, plan = size_capacity(_limits(kv_pages=64, max_slots=4), _Model(), torch.device("cpu"), 0)
     assert (capacity.kv_pages, capacity.max_slots, plan) == (64, 4, None)
+
+
+def test_a_tp_rank_profiles_its_steps_before_the_process_group_exists(tiny_model_dir) -> None:
+    """The profile run's collectives are skipped (no process group yet) and keep their shapes:
+    rank 1 of 2 prefills and decodes to full-vocabulary logits, then drops its throwaway cache."""
+    from models.qwen35 import DecodeBatch, PrefillBatch, Qwen35Model
+
+    model = Qwen35Model.load(tiny_model_dir, rank=1, world_size=2)
+    model.allocate_cache(4, 16, 1)
+    model.tp.local_only = True
+    prefill = model.prefill(PrefillBatch.build([(list(range(20)), 0, 0, [0, 1])]))
+    decode = model.decode(DecodeBatch.build([(0, 0, 0, [0])] * 3))
+    model.tp.local_only = False
+    model.release_cache()
+    vocab = model.config.vocab_size
+    assert prefill.shape == (1, vocab) and decode.shape == (3, vocab)
+    with pytest.raises(RuntimeError, match="rank 1: decode before allocate_cache"):
+        model.decode(DecodeBatch.build([(0, 0, 0, [0])]))

@@ -131,12 +131,6 @@ class Qwen35Model:
         self.page_size = 0
         self.num_state_slots = 0
 
-    def cache_bytes(self, num_pages_total: int, page_size: int, num_state_slots: int) -> int:
-        return (
-            num_pages_total * self.kv_bytes_per_page(page_size)
-            + num_state_slots * self.state_bytes_per_slot()
-        )
-
     def copy_state(self, src_slot: int, dst_slot: int) -> None:
         """Copy recurrent and conv state of every linear layer from one slot to another."""
         self._require_cache("copy_state")
