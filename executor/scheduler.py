@@ -404,7 +404,10 @@ class Scheduler:
     # -- results ----------------------------------------------------------------------------
 
     def _finish_reason(self, request: Request) -> FinishReason | None:
-        if not request.params.ignore_eos and request.output[-1] in self.eos_token_ids:
+        last = request.output[-1]
+        if last in request.params.stop_token_ids:
+            return "stop"
+        if not request.params.ignore_eos and last in self.eos_token_ids:
             return "stop"
         if len(request.output) >= request.params.max_tokens:
             return "length"

@@ -33,7 +33,9 @@ import enum
 
 import msgspec
 
-PROTOCOL_VERSION = 3  # 2: pipelined decode (FED_TOKEN rows); 3: a prefill feeds the first decode
+# 2: pipelined decode (FED_TOKEN rows); 3: a prefill feeds the first decode;
+# 4: SamplingParams carries min_p, logit_bias and banned ids (min_tokens)
+PROTOCOL_VERSION = 4
 
 # ---------------------------------------------------------------------------------------------
 # Shared pieces
@@ -48,6 +50,12 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults
     coordinator gives every request that samples a seed (its own, or one it draws), so a command
     fixes its tokens; a command without one (only a hand-made trace sends it) draws unseeded.
     logprobs None returns no logprobs; N >= 0 returns the chosen token's logprob and the top N.
+
+    min_p 0 disables it; else a token stays only if its probability (after temperature) is at
+    least min_p times the most likely token's. ``logit_bias`` (token id -> bias) is added to the
+    logits before the pick, greedy or not. ``banned_ids`` are never picked for a position below
+    ``banned_until`` (a minimum output length keeps the stop tokens out until it is reached).
+    Reported logprobs stay those of the raw distribution, before bias and bans.
     """
 
     temperature: float = 0.0
@@ -55,6 +63,10 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults
     top_p: float = 1.0
     seed: int | None = None
     logprobs: int | None = None
+    min_p: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    banned_ids: list[int] | None = None
+    banned_until: int = 0
 
 
 class Capacity(msgspec.Struct, frozen=True):

@@ -27,6 +27,17 @@ class TokenInfo:
     token_id: int
     logprob: float | None
     top_logprobs: list[tuple[int, float]] | None
+    text_offset: int = 0  # characters of the generated text before this token's
+
+
+@dataclass(frozen=True)
+class StopRule:
+    """How the text ends: stop strings (kept in the text with ``include``), checked only once
+    ``min_tokens`` tokens are out; a stop token id's own text shows only with ``include``."""
+
+    strings: list[str] = field(default_factory=list)
+    include: bool = False
+    min_tokens: int = 0
 
 
 @dataclass
@@ -50,14 +61,17 @@ class Generation:
         metrics: ServerMetrics,
         prompt_ids: list[int],
         params: GenerationParams,
-        stops: list[str],
+        stop: StopRule,
     ) -> None:
         self._started = time.monotonic()
         self._engine = engine
         self._metrics = metrics
         self._prompt_tokens = len(prompt_ids)
         self._detokenizer = IncrementalDetokenizer(tokenizer)
-        self._stops = StopMatcher(stops)
+        self._rule = stop
+        self._stops = StopMatcher(stop.strings, stop.include)
+        self._stop_token_ids = frozenset(params.stop_token_ids)
+        self._text_length = 0  # characters the detokenizer has given so far
         # raises ValueError (bad input) or RuntimeError (engine closed) before anything is queued
         self._stream: RequestStream = engine.submit(prompt_ids, params)
         # a response that is dropped before it ever reads the stream (the client left before the
@@ -75,8 +89,12 @@ class Generation:
             async for event in self._stream:
                 if isinstance(event, TokenEvent):
                     timing.token()
-                    text = self._stops.push(self._detokenizer.push(event.token_id))
-                    yield Chunk(text, [TokenInfo(event.token_id, event.logprob, event.top_logprobs)])
+                    offset = self._text_length
+                    text = self._stops.push(
+                        self._token_text(event.token_id), timing.count >= self._rule.min_tokens
+                    )
+                    info = TokenInfo(event.token_id, event.logprob, event.top_logprobs, offset)
+                    yield Chunk(text, [info])
                     if self._stops.stopped:
                         self._engine.cancel(self.request_id)
                         ended = self._ended()
@@ -97,6 +115,13 @@ class Generation:
             if not ended:  # the consumer left early: a client disconnect or a cancelled task
                 self._engine.cancel(self.request_id)
                 self._metrics.finished("cancelled")
+
+    def _token_text(self, token_id: int) -> str:
+        if token_id in self._stop_token_ids and not self._rule.include:
+            return ""  # a stop id ends the request (the scheduler sees to it) and is not shown
+        delta = self._detokenizer.push(token_id)
+        self._text_length += len(delta)
+        return delta
 
     def _ended(self) -> bool:
         self._cancel_if_dropped.detach()

@@ -61,28 +61,28 @@ class _Response:
 
 @dataclass
 class CompletionFormat(_Response):
-    _offset: int = 0
-
     def __post_init__(self) -> None:
         self.id = f"cmpl-{uuid.uuid4().hex}"
+
+    def _top(self, token: TokenInfo) -> dict[str, float] | None:
+        """vLLM's entry: the chosen token first, then the top N by text; two ids with one text
+        keep the first (so the chosen token's own logprob is never overwritten)."""
+        if token.logprob is None:
+            return None
+        top: dict[str, float] = {self.tokenizer.token_text(token.token_id): token.logprob}
+        for token_id, logprob in token.top_logprobs or []:
+            top.setdefault(self.tokenizer.token_text(token_id), logprob)
+        return top
 
     def _logprobs(self, tokens: list[TokenInfo]) -> dict[str, Any] | None:
         if not self.want_logprobs:
             return None
-        out: dict[str, list[Any]] = {
-            "tokens": [],
-            "token_logprobs": [],
-            "top_logprobs": [],
-            "text_offset": [],
+        return {
+            "tokens": [self.tokenizer.token_text(t.token_id) for t in tokens],
+            "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": [self._top(t) for t in tokens],
+            "text_offset": [t.text_offset for t in tokens],
         }
-        for t in tokens:
-            text = self.tokenizer.token_text(t.token_id)
-            out["tokens"].append(text)
-            out["token_logprobs"].append(t.logprob)
-            out["top_logprobs"].append({self.tokenizer.token_text(i): lp for i, lp in t.top_logprobs or []})
-            out["text_offset"].append(self._offset)
-            self._offset += len(text)
-        return out
 
     def response(self, result: Collected) -> dict[str, Any]:
         choice = {

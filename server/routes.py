@@ -39,17 +39,33 @@ async def metrics(request: Request) -> Response:
     return Response(_state(request).metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
-@router.get("/v1/models")
-async def models(request: Request) -> dict[str, Any]:
-    state = _state(request)
-    model = {
+def _model_card(state: ServerState) -> dict[str, Any]:
+    return {
         "id": state.model_name,
         "object": "model",
         "created": 0,
         "owned_by": "phalanx",
         "max_model_len": state.max_context,
     }
-    return {"object": "list", "data": [model]}
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> dict[str, Any]:
+    return {"object": "list", "data": [_model_card(_state(request))]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model(model_id: str, request: Request) -> dict[str, Any]:
+    state = _state(request)
+    if model_id != state.model_name:
+        raise ApiError(
+            404,
+            f"model {model_id!r} does not exist here; this server serves {state.model_name!r}",
+            "not_found_error",
+            param="model",
+            code="model_not_found",
+        )
+    return _model_card(state)
 
 
 @router.post("/v1/completions", response_model=None)

@@ -1,7 +1,8 @@
 """Request bodies of the OpenAI-compatible endpoints, validated by pydantic (FastAPI's own models).
 
 Anything that fails validation is answered with 400 and an OpenAI-style error body (server.app).
-Unknown fields are ignored, as OpenAI clients send optional fields this server does not use.
+A field this server does not know is refused with a 400 naming it, never accepted and ignored:
+it could change the output (a sampling extra, a response format) without the client noticing.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on one bias
 
 
 class StreamOptions(BaseModel):
@@ -21,7 +23,7 @@ class StreamOptions(BaseModel):
 class SamplingRequest(BaseModel):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -39,6 +41,12 @@ class SamplingRequest(BaseModel):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[str, float] | None = None
+    # vLLM's sampling extras
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    min_tokens: int = Field(default=0, ge=0)
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    user: str | None = None  # OpenAI's end-user id: recorded by no one, changes nothing
 
     @model_validator(mode="after")
     def _unsupported(self) -> SamplingRequest:
@@ -46,9 +54,21 @@ class SamplingRequest(BaseModel):
         for name, value in neutral.items():
             if getattr(self, name) != value:
                 raise ValueError(f"{name} is not supported (only {value})")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
         return self
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_biases(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"keys must be token ids, got {key!r}")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"bias of token {key} must be in [-100, 100], got {bias}")
+        return value
+
+    @property
+    def token_biases(self) -> dict[int, float] | None:
+        return {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None
 
     @field_validator("stop")
     @classmethod

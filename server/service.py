@@ -10,7 +10,7 @@ from executor.engine import Engine, GenerationParams
 from server.chat_template import ChatTemplate, ChatTemplateError
 from server.detokenizer import TextTokenizer
 from server.errors import bad_request, unavailable
-from server.generation import Generation
+from server.generation import Generation, StopRule
 from server.metrics import ServerMetrics
 from server.schemas import ChatCompletionRequest, SamplingRequest
 
@@ -88,11 +88,14 @@ class ServerState:
             seed=body.seed,
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
+            min_p=body.min_p,
+            logit_bias=body.token_biases,
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            min_tokens=body.min_tokens,
         )
+        stops = StopRule(body.stop_strings, body.include_stop_str_in_output, body.min_tokens)
         try:
-            return Generation(
-                self.engine, self.tokenizer, self.metrics, prompt_ids, params, body.stop_strings
-            )
+            return Generation(self.engine, self.tokenizer, self.metrics, prompt_ids, params, stops)
         except ValueError as e:
             raise bad_request(str(e)) from e
         except RuntimeError as e:  # the engine closed between the check above and submit

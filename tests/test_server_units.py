@@ -23,7 +23,7 @@ from protocol.messages import Capacity
 from server.app import create_app
 from server.chat_template import ChatTemplate, ChatTemplateError
 from server.detokenizer import IncrementalDetokenizer, StopMatcher, TextTokenizer
-from server.generation import Chunk, Done, Generation
+from server.generation import Chunk, Done, Generation, StopRule
 from server.metrics import ServerMetrics
 from server.openai_format import ChatFormat, Collected
 from server.reasoning import ReasoningSplitter
@@ -143,6 +143,15 @@ def test_stop_matcher_across_deltas(step: int) -> None:
     matcher = StopMatcher(["never"])
     out = [matcher.push(text[i : i + step]) for i in range(0, len(text), step)] + [matcher.flush()]
     assert "".join(out) == text and not matcher.stopped
+    matcher = StopMatcher(["zeta", "STOP"], include=True)
+    out = [matcher.push(text[i : i + step]) for i in range(0, len(text), step)] + [matcher.flush()]
+    assert "".join(out) == "alpha beta STOP" and matcher.stopped
+
+
+def test_an_unarmed_stop_matcher_lets_stop_strings_through() -> None:
+    matcher = StopMatcher(["ab"])
+    assert matcher.push("xab", armed=False) == "xa"
+    assert matcher.push("yab") == "by" and matcher.stopped
 
 
 @pytest.mark.parametrize("step", [1, 3, 100])
@@ -219,7 +228,7 @@ def test_a_generation_dropped_before_it_is_read_is_cancelled(tiny_model_dir: Pat
         metrics = ServerMetrics(engine.stats, lambda: False)
         tokenizer = TextTokenizer.from_model_dir(tiny_model_dir)
         params = GenerationParams(max_tokens=400, ignore_eos=True)
-        generation = Generation(engine, tokenizer, metrics, [5, 6, 7], params, [])
+        generation = Generation(engine, tokenizer, metrics, [5, 6, 7], params, StopRule())
         _wait(lambda: engine.stats().slots_used == 1)
         del generation
         gc.collect()
