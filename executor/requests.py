@@ -32,6 +32,7 @@ class GenerationParams:
     logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit
     stop_token_ids: tuple[int, ...] = ()  # ids that end the request like an end-of-sequence token
     min_tokens: int = 0  # no end-of-sequence or stop id before this many output tokens
+    prompt_logprobs: int | None = None  # None: none; N: each prompt token's logprob and the top N
 
     def validate(self, vocab_size: int) -> None:
         """Raise ValueError naming the first bad field."""
@@ -59,6 +60,12 @@ class GenerationParams:
                     )
         if any(not math.isfinite(bias) for bias in (self.logit_bias or {}).values()):
             raise ValueError("logit_bias values must be finite numbers")
+        if self.prompt_logprobs is not None and (
+            not isinstance(self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS
+        ):
+            raise ValueError(
+                f"prompt_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs!r}"
+            )
         if isinstance(self.min_tokens, bool) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
 

@@ -34,8 +34,9 @@ import enum
 import msgspec
 
 # 2: pipelined decode (FED_TOKEN rows); 3: a prefill feeds the first decode;
-# 4: SamplingParams carries min_p, logit_bias and banned ids (min_tokens)
-PROTOCOL_VERSION = 4
+# 4: SamplingParams carries min_p, logit_bias and banned ids (min_tokens);
+# 5: prompt logprobs (PrefillChunk.prompt_logprobs and next_token, PromptLogprobs in the replies)
+PROTOCOL_VERSION = 5
 
 # ---------------------------------------------------------------------------------------------
 # Shared pieces
@@ -124,6 +125,9 @@ class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat", tag_field="op"):
 NO_FEED = -1
 """``PrefillChunk.feed_slot`` of a chunk that feeds no decode slot."""
 
+NO_TOKEN = -1
+"""``PrefillChunk.next_token`` of a prompt's last chunk: no prompt token follows it."""
+
 
 class PrefillChunk(msgspec.Struct, frozen=True, array_like=True):
     """One contiguous piece of one request's prompt.
@@ -137,6 +141,12 @@ class PrefillChunk(msgspec.Struct, frozen=True, array_like=True):
     request's first decode row will use. Every rank keeps the sampled token for that slot, so the
     next command may be that Decode with the row ``FED_TOKEN``, sent before this Prefill's answer
     is read. The slot must be free: no request is decoding in it.
+
+    ``prompt_logprobs`` N (None: not asked): rank 0 answers a ``PromptLogprobs`` for the chunk:
+    each prompt token after the chunk's first position, given the tokens before it, up to and
+    including ``next_token`` (the prompt token right after the chunk; ``NO_TOKEN`` on the last
+    chunk), with the top N. The ranks compute it on their vocabulary shards: only each position's
+    log-normaliser, the scored token's logit and each shard's top N cross between ranks.
     """
 
     request_id: int
@@ -146,6 +156,8 @@ class PrefillChunk(msgspec.Struct, frozen=True, array_like=True):
     last: bool
     sampling: SamplingParams = SamplingParams()
     feed_slot: int = NO_FEED
+    prompt_logprobs: int | None = None
+    next_token: int = NO_TOKEN
 
 
 FED_TOKEN = -1
@@ -252,6 +264,17 @@ class TokenResult(msgspec.Struct, frozen=True, array_like=True):
     top_logprobs: list[float] | None = None
 
 
+class PromptLogprobs(msgspec.Struct, frozen=True, array_like=True):
+    """A chunk's prompt logprobs: ``logprobs[i]`` is that of the prompt token at position
+    ``start + i`` given the tokens before it; the top lists are present when N > 0."""
+
+    request_id: int
+    start: int
+    logprobs: list[float]
+    top_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
+
+
 class Ack(msgspec.Struct, frozen=True, tag="ack", tag_field="op"):
     pass
 
@@ -261,9 +284,11 @@ class DropAck(msgspec.Struct, frozen=True, tag="drop_ack", tag_field="op"):
 
 
 class PrefillDone(msgspec.Struct, frozen=True, tag="prefill_done", tag_field="op"):
-    """One result per chunk marked ``last``; earlier chunks produce nothing."""
+    """One result per chunk marked ``last``; earlier chunks produce nothing. One
+    ``PromptLogprobs`` per chunk that asked for them, in chunk order."""
 
     results: list[TokenResult]
+    prompt_logprobs: list[PromptLogprobs] = []
 
 
 class DecodeDone(msgspec.Struct, frozen=True, tag="decode_done", tag_field="op"):
@@ -273,6 +298,7 @@ class DecodeDone(msgspec.Struct, frozen=True, tag="decode_done", tag_field="op")
 class UnifiedDone(msgspec.Struct, frozen=True, tag="unified_done", tag_field="op"):
     prefill: list[TokenResult]
     decode: list[TokenResult]
+    prompt_logprobs: list[PromptLogprobs] = []
 
 
 class Failed(msgspec.Struct, frozen=True, tag="failed", tag_field="op"):

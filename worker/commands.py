@@ -29,6 +29,8 @@ from protocol.messages import (
     DecodeRow,
     DropRequest,
     PrefillChunk,
+    PrefillDone,
+    PromptLogprobs,
     TokenResult,
     UnifiedDone,
 )
@@ -36,6 +38,7 @@ from protocol.packing import unpack_list
 from worker.errors import WorkerStateError
 from worker.faults import fault_point
 from worker.graphs import DecodeGraphRunner
+from worker.prompt_scoring import PromptScoring
 from worker.request_table import Phase, RequestState, RequestTable
 from worker.sampling import DrawnTokens, draw_tokens
 from worker.slots import SlotTable
@@ -93,11 +96,15 @@ class PendingDecode(PendingStep):
 
 
 class PendingPrefill:
-    """The tokens sampled at a prefill's last chunks (none when no chunk was a prompt's last)."""
+    """The tokens sampled at a prefill's last chunks (none when no chunk was a prompt's last),
+    and the prompt logprobs of the chunks that asked for them."""
 
-    def __init__(self, request_ids: list[int], drawn: DrawnTokens | None) -> None:
+    def __init__(
+        self, request_ids: list[int], drawn: DrawnTokens | None, prompt_logprobs: list[PromptLogprobs]
+    ) -> None:
         self._request_ids = request_ids
         self._drawn = drawn
+        self.prompt_logprobs = prompt_logprobs
 
     def ready(self) -> bool:
         return self._drawn is None or self._drawn.ready()
@@ -122,7 +129,7 @@ class PendingUnified(PendingStep):
         return self._prefill.ready() and self._decode.ready()
 
     def reply(self) -> UnifiedDone:
-        return UnifiedDone(self._prefill.results(), self._decode.results())
+        return UnifiedDone(self._prefill.results(), self._decode.results(), self._prefill.prompt_logprobs)
 
 
 class StepRunner:
@@ -259,16 +266,23 @@ class StepRunner:
             [(plan.tokens, plan.chunk.start, plan.state.state_slot, plan.pages) for plan in plans],
             self.device,
         )
-        logits = self.model.prefill(batch)
+        vocab = self.model.config.vocab_size
+        scoring = PromptScoring.plan([(plan.chunk, plan.tokens) for plan in plans], vocab)
+        scores = None
+        if scoring is None or not scoring.rows:
+            logits = self.model.prefill(batch)
+        else:
+            logits, scores = self.model.prefill_scored(batch, *scoring.tensors(self.device), scoring.top_n)
         for plan in plans:
             plan.state.cached = plan.chunk.start + len(plan.tokens)
             if plan.chunk.last:
                 plan.state.phase = Phase.PREFILLED
         if self.rank != 0:
             return None
+        prompt_logprobs = [] if scoring is None else scoring.results(scores)
         final = [index for index, plan in enumerate(plans) if plan.chunk.last]
         if not final:
-            return PendingPrefill([], None)
+            return PendingPrefill([], None, prompt_logprobs)
         drawn = draw_tokens(
             logits[final],
             [plans[i].chunk.sampling for i in final],
@@ -283,7 +297,7 @@ class StepRunner:
             picked = torch.tensor([row for row, _ in feeding], device=drawn.tokens.device)
             slots = torch.tensor([slot for _, slot in feeding], device=self.fed_tokens.device)
             self.fed_tokens.index_copy_(0, slots, drawn.tokens.index_select(0, picked))
-        return PendingPrefill([plans[i].chunk.request_id for i in final], drawn)
+        return PendingPrefill([plans[i].chunk.request_id for i in final], drawn, prompt_logprobs)
 
     def _run_decode(self, plans: list[_RowPlan]) -> PendingDecode | None:
         for plan in plans:
@@ -324,11 +338,11 @@ class StepRunner:
 
     # -- commands -------------------------------------------------------------------------------
 
-    def prefill(self, chunks: list[PrefillChunk]) -> list[TokenResult] | None:
+    def prefill(self, chunks: list[PrefillChunk]) -> PrefillDone | None:
         fault_point("prefill", self.rank)
         pending = self._run_prefill(self._plan_prefill(chunks))
         self._fed_from = {chunk.request_id: chunk.feed_slot for chunk in chunks if chunk.feed_slot != NO_FEED}
-        return None if pending is None else pending.results()
+        return None if pending is None else PrefillDone(pending.results(), pending.prompt_logprobs)
 
     def decode(self, rows: list[DecodeRow]) -> PendingDecode | None:
         """Launches the step; rank 0 gets it back in flight (``PendingDecode.results``)."""
