@@ -20,11 +20,12 @@ class TokenEvent:
 
 @dataclass(frozen=True)
 class PromptLogprobsEvent:
-    """Logprobs of prompt tokens from position ``start`` on, each given the tokens before it, with
-    the top N as (id, logprob); a request that asked gets them all before its first token."""
+    """Logprobs of prompt tokens from position ``start`` on, each given the tokens before it, their
+    ranks, and the top N as (id, logprob); a request that asked gets them all before its first token."""
 
     start: int
     logprobs: list[float]
+    ranks: list[int]
     top_logprobs: list[list[tuple[int, float]]] | None = None
 
 

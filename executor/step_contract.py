@@ -110,7 +110,12 @@ def prompt_logprob_events(
     events = []
     for chunk, span in zip(asked, scored, strict=True):
         count = len(chunk.tokens) // 4 - (1 if chunk.next_token == NO_TOKEN else 0)
-        if (span.request_id, span.start, len(span.logprobs)) != (chunk.request_id, chunk.start + 1, count):
+        if (span.request_id, span.start, len(span.logprobs), len(span.ranks)) != (
+            chunk.request_id,
+            chunk.start + 1,
+            count,
+            count,
+        ):
             raise ArtifactError(
                 f"invalid {op} artifact set: prompt logprobs of request {span.request_id} from {span.start} "
                 f"({len(span.logprobs)}) answer chunk of request {chunk.request_id} from {chunk.start + 1} ({count})"
@@ -118,5 +123,5 @@ def prompt_logprob_events(
         top = None
         if span.top_ids is not None and span.top_logprobs is not None:
             top = [list(zip(i, v, strict=True)) for i, v in zip(span.top_ids, span.top_logprobs, strict=True)]
-        events.append((span.request_id, PromptLogprobsEvent(span.start, span.logprobs, top)))
+        events.append((span.request_id, PromptLogprobsEvent(span.start, span.logprobs, span.ranks, top)))
     return events

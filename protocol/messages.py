@@ -266,11 +266,13 @@ class TokenResult(msgspec.Struct, frozen=True, array_like=True):
 
 class PromptLogprobs(msgspec.Struct, frozen=True, array_like=True):
     """A chunk's prompt logprobs: ``logprobs[i]`` is that of the prompt token at position
-    ``start + i`` given the tokens before it; the top lists are present when N > 0."""
+    ``start + i`` given the tokens before it, ``ranks[i]`` its rank (1 + the number of ids with a
+    higher logit); the top lists are present when N > 0."""
 
     request_id: int
     start: int
     logprobs: list[float]
+    ranks: list[int]
     top_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
 

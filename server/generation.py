@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from executor.engine import Engine, ErrorEvent, FinishEvent, GenerationParams, RequestStream, TokenEvent
+from executor.events import PromptLogprobsEvent
 from server.detokenizer import IncrementalDetokenizer, StopMatcher, TextTokenizer
 from server.metrics import ServerMetrics
 
@@ -28,6 +29,21 @@ class TokenInfo:
     logprob: float | None
     top_logprobs: list[tuple[int, float]] | None
     text_offset: int = 0  # characters of the generated text before this token's
+
+
+@dataclass(frozen=True)
+class PromptToken:
+    """A prompt token's logprob given the tokens before it (the first prompt token has none)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top_logprobs: list[tuple[int, float]] | None
+
+
+@dataclass
+class PromptScores:
+    tokens: list[PromptToken]
 
 
 @dataclass(frozen=True)
@@ -66,7 +82,7 @@ class Generation:
         self._started = time.monotonic()
         self._engine = engine
         self._metrics = metrics
-        self._prompt_tokens = len(prompt_ids)
+        self._prompt_ids = prompt_ids
         self._detokenizer = IncrementalDetokenizer(tokenizer)
         self._rule = stop
         self._stops = StopMatcher(stop.strings, stop.include)
@@ -82,12 +98,14 @@ class Generation:
     def request_id(self) -> int:
         return self._stream.request_id
 
-    async def __aiter__(self) -> AsyncIterator[Chunk | Done]:
+    async def __aiter__(self) -> AsyncIterator[PromptScores | Chunk | Done]:
         ended = False
         timing = _Timing(self._started)
         try:
             async for event in self._stream:
-                if isinstance(event, TokenEvent):
+                if isinstance(event, PromptLogprobsEvent):
+                    yield self._prompt_scores(event)
+                elif isinstance(event, TokenEvent):
                     timing.token()
                     offset = self._text_length
                     text = self._stops.push(
@@ -116,6 +134,13 @@ class Generation:
                 self._engine.cancel(self.request_id)
                 self._metrics.finished("cancelled")
 
+    def _prompt_scores(self, event: PromptLogprobsEvent) -> PromptScores:
+        tops = event.top_logprobs or [None] * len(event.logprobs)
+        ids = self._prompt_ids[event.start : event.start + len(event.logprobs)]
+        return PromptScores(
+            [PromptToken(*scored) for scored in zip(ids, event.logprobs, event.ranks, tops, strict=True)]
+        )
+
     def _token_text(self, token_id: int) -> str:
         if token_id in self._stop_token_ids and not self._rule.include:
             return ""  # a stop id ends the request (the scheduler sees to it) and is not shown
@@ -128,8 +153,9 @@ class Generation:
         return True
 
     def _done(self, timing: _Timing, reason: str) -> Done:
-        self._metrics.finished(reason, timing.ttft, timing.tpot, self._prompt_tokens, timing.count)
-        return Done(reason, self._prompt_tokens, timing.count)
+        prompt_tokens = len(self._prompt_ids)
+        self._metrics.finished(reason, timing.ttft, timing.tpot, prompt_tokens, timing.count)
+        return Done(reason, prompt_tokens, timing.count)
 
 
 class _Timing:

@@ -1,24 +1,26 @@
-"""Generation output as OpenAI response bodies: whole responses and streamed chunks, for
-``text_completion`` and ``chat.completion``, with usage and logprobs."""
+"""Generation output as OpenAI response parts: each choice whole or as streamed chunks, for
+``text_completion`` (with echo and vLLM's prompt logprobs) and ``chat.completion``, with logprobs.
+``server.choices`` puts a request's choices into one response."""
 
 from __future__ import annotations
 
+import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
-from server.detokenizer import TextTokenizer
-from server.generation import Chunk, Done, Generation, TokenInfo
+from server.detokenizer import IncrementalDetokenizer, TextTokenizer
+from server.generation import Chunk, Done, Generation, PromptScores, PromptToken, TokenInfo
 from server.reasoning import ReasoningSplitter
 
 
-def usage(done: Done) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {
-        "prompt_tokens": done.prompt_tokens,
-        "completion_tokens": done.completion_tokens,
-        "total_tokens": done.prompt_tokens + done.completion_tokens,
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
     }
 
 
@@ -27,18 +29,38 @@ class Collected:
     text: str
     tokens: list[TokenInfo]
     done: Done
+    prompt: list[PromptToken] = field(default_factory=list)  # scored prompt tokens, when asked
 
 
 async def collect(generation: Generation) -> Collected:
     texts: list[str] = []
     tokens: list[TokenInfo] = []
+    prompt: list[PromptToken] = []
     async for item in generation:
-        if isinstance(item, Chunk):
+        if isinstance(item, PromptScores):
+            prompt += item.tokens
+        elif isinstance(item, Chunk):
             texts.append(item.text)
             tokens += item.tokens
         else:
-            return Collected("".join(texts), tokens, item)
+            return Collected("".join(texts), tokens, item, prompt)
     raise RuntimeError(f"request {generation.request_id} ended without a final event")
+
+
+def vllm_prompt_logprobs(
+    tokenizer: TextTokenizer, prompt_ids: list[int], scored: list[PromptToken]
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs``: None for the first token, then per token a dict keyed by token
+    id holding the token itself and the top N, each with its logprob, rank and text."""
+
+    def entry(logprob: float, rank: int, token_id: int) -> dict[str, Any]:
+        return {"logprob": logprob, "rank": rank, "decoded_token": tokenizer.token_text(token_id)}
+
+    out: list[dict[str, dict[str, Any]] | None] = [None]
+    for token_id, token in zip(prompt_ids[1:], scored, strict=True):
+        top = {str(i): entry(lp, rank, i) for rank, (i, lp) in enumerate(token.top_logprobs or [], start=1)}
+        out.append({str(token_id): entry(token.logprob, token.rank, token_id), **top})
+    return out
 
 
 @dataclass
@@ -49,7 +71,7 @@ class _Response:
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 
-    def _envelope(self, object_: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    def envelope(self, object_: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
             "id": self.id,
             "object": object_,
@@ -61,59 +83,91 @@ class _Response:
 
 @dataclass
 class CompletionFormat(_Response):
+    echo: bool = False
+    want_prompt_logprobs: bool = False
+    object_: ClassVar[str] = "text_completion"
+    chunk_object: ClassVar[str] = "text_completion"
+
     def __post_init__(self) -> None:
         self.id = f"cmpl-{uuid.uuid4().hex}"
 
-    def _top(self, token: TokenInfo) -> dict[str, float] | None:
+    def _top(self, token_id: int, logprob: float, top: list[tuple[int, float]] | None) -> dict[str, float]:
         """vLLM's entry: the chosen token first, then the top N by text; two ids with one text
         keep the first (so the chosen token's own logprob is never overwritten)."""
-        if token.logprob is None:
-            return None
-        top: dict[str, float] = {self.tokenizer.token_text(token.token_id): token.logprob}
-        for token_id, logprob in token.top_logprobs or []:
-            top.setdefault(self.tokenizer.token_text(token_id), logprob)
-        return top
+        entry: dict[str, float] = {self.tokenizer.token_text(token_id): logprob}
+        for other, other_logprob in top or []:
+            entry.setdefault(self.tokenizer.token_text(other), other_logprob)
+        return entry
 
-    def _logprobs(self, tokens: list[TokenInfo]) -> dict[str, Any] | None:
+    def _logprobs(self, tokens: list[TokenInfo], shift: int = 0) -> dict[str, Any] | None:
         if not self.want_logprobs:
             return None
         return {
             "tokens": [self.tokenizer.token_text(t.token_id) for t in tokens],
             "token_logprobs": [t.logprob for t in tokens],
-            "top_logprobs": [self._top(t) for t in tokens],
-            "text_offset": [t.text_offset for t in tokens],
+            "top_logprobs": [
+                None if t.logprob is None else self._top(t.token_id, t.logprob, t.top_logprobs)
+                for t in tokens
+            ],
+            "text_offset": [shift + t.text_offset for t in tokens],
         }
 
-    def response(self, result: Collected) -> dict[str, Any]:
-        choice = {
-            "index": 0,
-            "text": result.text,
-            "logprobs": self._logprobs(result.tokens),
+    def _echoed(self, prompt_ids: list[int], scored: list[PromptToken]) -> tuple[str, dict[str, Any] | None]:
+        """The prompt's text and, with logprobs, its tokens' entries (the first token has none)."""
+        detokenizer = IncrementalDetokenizer(self.tokenizer)
+        pieces = [detokenizer.push(token_id) for token_id in prompt_ids]
+        pieces[-1] += detokenizer.flush()
+        offsets = [0, *itertools.accumulate(len(piece) for piece in pieces)][:-1]
+        text = "".join(pieces)
+        if not self.want_logprobs:
+            return text, None
+        firsts: list[PromptToken | None] = [None, *scored]
+        return text, {
+            "tokens": [self.tokenizer.token_text(i) for i in prompt_ids],
+            "token_logprobs": [None if s is None else s.logprob for s in firsts],
+            "top_logprobs": [
+                None if s is None else self._top(i, s.logprob, s.top_logprobs)
+                for i, s in zip(prompt_ids, firsts, strict=True)
+            ],
+            "text_offset": offsets,
+        }
+
+    def choice(self, index: int, prompt_ids: list[int], result: Collected) -> dict[str, Any]:
+        prompt_text, prompt_logprobs = self._echoed(prompt_ids, result.prompt) if self.echo else ("", None)
+        logprobs = self._logprobs(result.tokens, shift=len(prompt_text))
+        if prompt_logprobs is not None and logprobs is not None:
+            logprobs = {key: prompt_logprobs[key] + logprobs[key] for key in logprobs}
+        choice: dict[str, Any] = {
+            "index": index,
+            "text": prompt_text + result.text,
+            "logprobs": logprobs,
             "finish_reason": result.done.finish_reason,
         }
-        return {**self._envelope("text_completion", [choice]), "usage": usage(result.done)}
+        if self.want_prompt_logprobs:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(self.tokenizer, prompt_ids, result.prompt)
+        return choice
 
-    async def stream(self, generation: Generation, include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+    async def stream_choice(self, index: int, generation: Generation) -> AsyncIterator[dict[str, Any] | Done]:
+        """The choice's chunks (``index`` in each), then its Done."""
         async for item in generation:
             if isinstance(item, Chunk):
                 if item.text or item.tokens:
-                    choice = {
-                        "index": 0,
+                    yield {
+                        "index": index,
                         "text": item.text,
                         "logprobs": self._logprobs(item.tokens),
                         "finish_reason": None,
                     }
-                    yield self._envelope("text_completion", [choice])
-                continue
-            final = {"index": 0, "text": "", "logprobs": None, "finish_reason": item.finish_reason}
-            yield self._envelope("text_completion", [final])
-            if include_usage:
-                yield {**self._envelope("text_completion", []), "usage": usage(item)}
+            elif isinstance(item, Done):
+                yield {"index": index, "text": "", "logprobs": None, "finish_reason": item.finish_reason}
+                yield item
 
 
 @dataclass
 class ChatFormat(_Response):
     starts_in_reasoning: bool = False
+    object_: ClassVar[str] = "chat.completion"
+    chunk_object: ClassVar[str] = "chat.completion.chunk"
 
     def __post_init__(self) -> None:
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -136,26 +190,19 @@ class ChatFormat(_Response):
             ]
         }
 
-    def response(self, result: Collected) -> dict[str, Any]:
+    def choice(self, index: int, prompt_ids: list[int], result: Collected) -> dict[str, Any]:
         splitter = ReasoningSplitter(self.starts_in_reasoning)
         reasoning, content = splitter.push(result.text)
         more_reasoning, more_content = splitter.flush()
         message: dict[str, Any] = {"role": "assistant", "content": content + more_content}
         if reasoning + more_reasoning:
             message["reasoning_content"] = reasoning + more_reasoning
-        choice = {
-            "index": 0,
+        return {
+            "index": index,
             "message": message,
             "logprobs": self._logprobs(result.tokens),
             "finish_reason": result.done.finish_reason,
         }
-        return {**self._envelope("chat.completion", [choice]), "usage": usage(result.done)}
-
-    def _chunk(
-        self, delta: dict[str, Any], logprobs: Any = None, finish: str | None = None
-    ) -> dict[str, Any]:
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        return self._envelope("chat.completion.chunk", [choice])
 
     @staticmethod
     def _delta(reasoning: str, content: str) -> dict[str, str]:
@@ -166,15 +213,19 @@ class ChatFormat(_Response):
             delta["content"] = content
         return delta
 
-    async def stream(self, generation: Generation, include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+    async def stream_choice(self, index: int, generation: Generation) -> AsyncIterator[dict[str, Any] | Done]:
+        """The choice's chunks (``index`` in each), then its Done."""
+
+        def chunk(delta: dict[str, Any], logprobs: Any = None, finish: str | None = None) -> dict[str, Any]:
+            return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+
         splitter = ReasoningSplitter(self.starts_in_reasoning)
-        yield self._chunk({"role": "assistant", "content": ""})
+        yield chunk({"role": "assistant", "content": ""})
         async for item in generation:
             if isinstance(item, Chunk):
                 delta = self._delta(*splitter.push(item.text))
                 if delta or (item.tokens and self.want_logprobs):
-                    yield self._chunk(delta, self._logprobs(item.tokens))
-                continue
-            yield self._chunk(self._delta(*splitter.flush()), finish=item.finish_reason)
-            if include_usage:
-                yield {**self._envelope("chat.completion.chunk", []), "usage": usage(item)}
+                    yield chunk(delta, self._logprobs(item.tokens))
+            elif isinstance(item, Done):
+                yield chunk(self._delta(*splitter.flush()), finish=item.finish_reason)
+                yield item

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on one bias
+MAX_PROMPTS = 1024  # prompts in one completions request
 
 
 class StreamOptions(BaseModel):
@@ -35,7 +36,7 @@ class SamplingRequest(BaseModel):
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(default=1, ge=1, le=1, description="one choice per request")
+    n: int = Field(default=1, ge=1, description="choices per prompt (at most the engine's decode slots)")
     # accepted only at their neutral values: silently ignoring them would change results unseen
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -46,6 +47,7 @@ class SamplingRequest(BaseModel):
     min_tokens: int = Field(default=0, ge=0)
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     user: str | None = None  # OpenAI's end-user id: recorded by no one, changes nothing
 
     @model_validator(mode="after")
@@ -54,6 +56,8 @@ class SamplingRequest(BaseModel):
         for name, value in neutral.items():
             if getattr(self, name) != value:
                 raise ValueError(f"{name} is not supported (only {value})")
+        if self.stream and self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported with stream")
         return self
 
     @field_validator("logit_bias")
@@ -93,18 +97,36 @@ class CompletionRequest(SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    echo: Literal[False] = False
+    echo: bool = False
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, value: Any) -> str | list[int]:
-        if isinstance(value, list) and value and isinstance(value[0], str | list):
-            if len(value) != 1:
-                raise ValueError(f"one prompt per request is supported, got {len(value)}")
-            value = value[0]
-        if not value:
-            raise ValueError("the prompt is empty")
-        return value
+    def _prompts(cls, value: Any) -> list[str] | list[list[int]]:
+        """A list of prompts, each a string or token ids."""
+        batched = isinstance(value, list) and bool(value) and isinstance(value[0], str | list)
+        prompts = value if batched else [value]
+        if len(prompts) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}")
+        for index, prompt in enumerate(prompts):
+            if not prompt:
+                raise ValueError("the prompt is empty" if not batched else f"prompt {index} is empty")
+        return prompts
+
+    @model_validator(mode="after")
+    def _echo_whole(self) -> CompletionRequest:
+        if self.stream and self.echo:
+            raise ValueError("echo is not supported with stream")
+        return self
+
+    @property
+    def prompts(self) -> list[str] | list[list[int]]:
+        return self.prompt  # type: ignore[return-value]  # the validator made it a list
+
+    @property
+    def prompt_top_logprobs(self) -> int | None:
+        """Top-N prompt logprobs to ask the engine for: vLLM's prompt_logprobs, and echo's."""
+        asked = [n for n in (self.prompt_logprobs, self.logprobs if self.echo else None) if n is not None]
+        return max(asked, default=None)
 
 
 class TextPart(BaseModel):

@@ -257,18 +257,17 @@ def test_chat_format_separates_reasoning_streamed_and_whole(tiny_model_dir: Path
 
     async def stream() -> list[dict]:
         fmt = ChatFormat(tokenizer, "tiny", want_logprobs=False, starts_in_reasoning=True)
-        return [chunk async for chunk in fmt.stream(generation(), include_usage=True)]  # type: ignore[arg-type]
+        return [chunk async for chunk in fmt.stream_choice(0, generation())]  # type: ignore[arg-type]
 
     chunks = asyncio.run(stream())
-    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    deltas = [c["delta"] for c in chunks[:-1]]
     assert "".join(d.get("reasoning_content", "") for d in deltas) == "weigh it"
     assert "".join(d.get("content", "") for d in deltas) == "Answer: B"
-    assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
-    assert chunks[-1]["usage"] == {"prompt_tokens": 7, "completion_tokens": 4, "total_tokens": 11}
+    assert chunks[-2]["finish_reason"] == "stop" and chunks[-1] == done
 
     fmt = ChatFormat(tokenizer, "tiny", want_logprobs=False, starts_in_reasoning=True)
-    whole = fmt.response(Collected("".join(pieces), [], done))
-    assert whole["choices"][0]["message"] == {
+    whole = fmt.choice(0, [1, 2], Collected("".join(pieces), [], done))
+    assert whole["message"] == {
         "role": "assistant",
         "content": "Answer: B",
         "reasoning_content": "weigh it",

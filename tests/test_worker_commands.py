@@ -394,6 +394,8 @@ def test_prompt_logprobs_of_a_chunked_prompt_match_the_full_logits(model: Qwen35
     scored = [*head[0].logprobs, *tail[0].logprobs]
     expected = [reference[i, prompt[i + 1]].item() for i in range(len(prompt) - 1)]
     assert scored == pytest.approx(expected, abs=1e-5)
+    ranks = [int((reference[i] > reference[i, prompt[i + 1]]).sum()) + 1 for i in range(len(prompt) - 1)]
+    assert [*head[0].ranks, *tail[0].ranks] == ranks
     top = reference.topk(2, dim=-1)
     assert [*head[0].top_ids, *tail[0].top_ids] == top.indices[:-1].tolist()
     top_logprobs = [value for row in (*head[0].top_logprobs, *tail[0].top_logprobs) for value in row]

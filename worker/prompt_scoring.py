@@ -55,6 +55,7 @@ class PromptScoring:
     def results(self, scores: TokenScores | None) -> list[PromptLogprobs]:
         """Each span's PromptLogprobs (``scores`` None: no span scored any token)."""
         chosen: list[float] = [] if scores is None else scores.chosen.tolist()
+        ranks: list[int] = [] if scores is None else scores.ranks.tolist()
         top_ids: list[list[int]] = []
         top_values: list[list[float]] = []
         if scores is not None and scores.top_ids is not None and scores.top_values is not None:
@@ -67,6 +68,7 @@ class PromptScoring:
                     span.request_id,
                     span.start,
                     chosen[at:end],
+                    ranks[at:end],
                     [ids[:n] for ids in top_ids[at:end]] if n else None,
                     [values[:n] for values in top_values[at:end]] if n else None,
                 )

@@ -98,10 +98,11 @@ class VocabParallelEmbedding:
 
 
 class TokenScores(NamedTuple):
-    """Log-probabilities of given tokens [T] and the top N of each row ([T, N] values and ids,
-    ties by ascending id; None when N is 0)."""
+    """Log-probabilities of given tokens [T], their ranks [T] (1 + how many ids score higher) and
+    the top N of each row ([T, N] values and ids, ties by ascending id; None when N is 0)."""
 
     chosen: torch.Tensor
+    ranks: torch.Tensor
     top_values: torch.Tensor | None
     top_ids: torch.Tensor | None
 
@@ -119,9 +120,9 @@ class VocabParallelHead:
         return self.tp.all_gather_last_dim(local)
 
     def score(self, hidden: torch.Tensor, targets: torch.Tensor, top_n: int) -> TokenScores:
-        """Each row's log-probability of its target token and its top ``top_n``, computed on the
-        vocab shards: only the log-normaliser's parts, the targets' logits and each shard's top N
-        cross between ranks, never a full row of the vocabulary."""
+        """Each row's log-probability of its target token, its rank and its top ``top_n``, computed
+        on the vocab shards: only the log-normaliser's parts, the targets' logits and ranks and each
+        shard's top N cross between ranks, never a full row of the vocabulary."""
         local = self.linear(hidden).float()
         shard = local.shape[1]
         first = self.tp.rank * shard
@@ -130,9 +131,11 @@ class VocabParallelHead:
         normaliser = peak + torch.log(total)
         mine = (targets >= first) & (targets < first + shard)
         picked = local.gather(1, (targets - first).clamp(0, shard - 1)[:, None]).squeeze(1)
-        chosen = self.tp.all_reduce(torch.where(mine, picked, torch.zeros_like(picked))) - normaliser
+        logit = self.tp.all_reduce(torch.where(mine, picked, torch.zeros_like(picked)))
+        ranks = self.tp.all_reduce((local > logit[:, None]).sum(dim=-1)) + 1
+        chosen = logit - normaliser
         if top_n == 0:
-            return TokenScores(chosen, None, None)
+            return TokenScores(chosen, ranks, None, None)
         values, ids = local.topk(min(top_n, shard), dim=-1)
         values = self.tp.all_gather_stacked(values).permute(1, 0, 2).reshape(len(targets), -1)
         ids = self.tp.all_gather_stacked(ids + first).permute(1, 0, 2).reshape(len(targets), -1)
@@ -140,4 +143,4 @@ class VocabParallelHead:
         by_id = torch.argsort(ids, dim=-1, stable=True)
         values, ids = values.gather(1, by_id), ids.gather(1, by_id)
         order = torch.argsort(values, dim=-1, descending=True, stable=True)[:, :top_n]
-        return TokenScores(chosen, values.gather(1, order) - normaliser[:, None], ids.gather(1, order))
+        return TokenScores(chosen, ranks, values.gather(1, order) - normaliser[:, None], ids.gather(1, order))
