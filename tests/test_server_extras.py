@@ -1,5 +1,7 @@
-"""vLLM's sampling extras, OpenAI's error shape and model lookup, against a live ``phalanx serve``
-(TP 2, CPU) on the tiny model: every extra either acts or is refused with a 400 naming it."""
+"""vLLM's sampling extras, echo and prompt logprobs, batched prompts and n > 1, OpenAI's error
+shape and model lookup, against a live ``phalanx serve`` (TP 2, CPU) on the tiny model, whose
+prompts are prefilled in chunks of 16 tokens: every extra either acts or is refused with a 400
+naming it."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
 from live_server import MODEL_NAME, live_server
 
 from server.detokenizer import TextTokenizer
@@ -17,7 +20,7 @@ from server.detokenizer import TextTokenizer
 @pytest.fixture(scope="module")
 def base_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     log = tmp_path_factory.mktemp("server_extras") / "server.log"
-    with live_server(tiny_model_dir, log) as url:
+    with live_server(tiny_model_dir, log, "--max-batch-tokens", "16") as url:
         yield url
 
 
@@ -175,3 +178,148 @@ def test_one_model_by_id(base_url: str, client: openai.OpenAI) -> None:
         client.models.retrieve("other")
     missing = httpx.get(base_url + "/v1/models/other", timeout=30).json()["error"]
     assert (missing["param"], missing["code"]) == ("model", "model_not_found")
+
+
+LONG_PROMPT = list(range(10, 50))  # 40 tokens: three prefill chunks
+
+
+@pytest.fixture(scope="module")
+def reference_logprobs(tiny_model_dir: Path) -> torch.Tensor:
+    """transformers' fp32 log-probabilities after each token of LONG_PROMPT."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return torch.log_softmax(model(input_ids=torch.tensor([LONG_PROMPT])).logits[0].float(), dim=-1)
+
+
+def test_echo_returns_the_prompt_scored_like_transformers(
+    client: openai.OpenAI, reference_logprobs: torch.Tensor
+) -> None:
+    out = client.completions.create(
+        model=MODEL_NAME, prompt=LONG_PROMPT, max_tokens=2, logprobs=2, echo=True, temperature=0.0
+    )
+    choice = out.choices[0]
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == len(LONG_PROMPT) + 2
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    expected = [reference_logprobs[i - 1, t].item() for i, t in enumerate(LONG_PROMPT) if i > 0]
+    assert logprobs.token_logprobs[1 : len(LONG_PROMPT)] == pytest.approx(expected, abs=1e-4)
+    for token, logprob, top in zip(
+        logprobs.tokens[1:], logprobs.token_logprobs[1:], logprobs.top_logprobs[1:], strict=True
+    ):
+        assert top[token] == logprob
+    offsets = [*logprobs.text_offset, len(choice.text)]
+    assert offsets == sorted(offsets) and offsets[0] == 0
+    plain = client.completions.create(model=MODEL_NAME, prompt=LONG_PROMPT, max_tokens=2, temperature=0.0)
+    assert choice.text.endswith(plain.choices[0].text) and len(choice.text) > len(plain.choices[0].text)
+
+
+def test_prompt_logprobs_in_vllm_shape(base_url: str, reference_logprobs: torch.Tensor) -> None:
+    body = {"model": MODEL_NAME, "prompt": LONG_PROMPT, "max_tokens": 1, "prompt_logprobs": 3}
+    choice = httpx.post(base_url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    scored = choice["prompt_logprobs"]
+    assert len(scored) == len(LONG_PROMPT) and scored[0] is None
+    for position, entry in enumerate(scored[1:], start=1):
+        row = reference_logprobs[position - 1]
+        token = LONG_PROMPT[position]
+        assert entry[str(token)]["logprob"] == pytest.approx(row[token].item(), abs=1e-4)
+        assert entry[str(token)]["rank"] == int((row > row[token]).sum()) + 1
+        top = row.topk(3).indices.tolist()
+        assert [entry[str(i)]["rank"] for i in top] == [1, 2, 3]
+        assert set(entry) == {str(token), *map(str, top)}
+    assert choice["logprobs"] is None
+
+
+def test_batched_prompts_answer_as_indexed_choices(client: openai.OpenAI) -> None:
+    prompts = ["Once upon a time", "The quick brown fox", "Hello"]
+    together = client.completions.create(
+        model=MODEL_NAME, prompt=prompts, max_tokens=4, temperature=0.0, extra_body={"ignore_eos": True}
+    )
+    alone = [complete_text(client, p) for p in prompts]
+    assert [c.index for c in together.choices] == [0, 1, 2]
+    assert [c.text for c in together.choices] == [a.choices[0].text for a in alone]
+    assert together.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert together.usage.completion_tokens == 12
+
+
+def complete_text(client: openai.OpenAI, prompt: str, **extra: object) -> openai.types.Completion:
+    return client.completions.create(
+        model=MODEL_NAME,
+        prompt=prompt,
+        max_tokens=4,
+        temperature=0.0,
+        extra_body={"ignore_eos": True, **extra},
+    )
+
+
+def test_n_choices_use_derived_seeds(client: openai.OpenAI) -> None:
+    def sampled(n: int, seed: int) -> list[str]:
+        out = client.completions.create(
+            model=MODEL_NAME,
+            prompt=["Hello", "Once upon a time"],
+            max_tokens=6,
+            temperature=1.0,
+            seed=seed,
+            n=n,
+            extra_body={"ignore_eos": True},
+        )
+        assert [c.index for c in out.choices] == list(range(2 * n)) and out.usage.completion_tokens == 12 * n
+        return [c.text for c in out.choices]
+
+    three = sampled(3, 11)
+    assert three == sampled(3, 11)
+    assert [three[0], three[3]] == sampled(1, 11)  # sample 0 keeps the request's seed
+    assert len({three[0], three[1], three[2]}) == 3
+
+
+def test_streamed_choices_carry_their_index(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=5,
+        n=2,
+        temperature=1.0,
+        seed=5,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    texts, finished, usage = ["", ""], [None, None], None
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            finished[choice.index] = choice.finish_reason or finished[choice.index]
+        usage = chunk.usage or usage
+    assert finished == ["length", "length"] and usage.completion_tokens == 10
+    whole = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=5,
+        n=2,
+        temperature=1.0,
+        seed=5,
+        extra_body={"ignore_eos": True},
+    )
+    assert [c.message.content for c in whole.choices] == texts
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"prompt": "hi", "echo": True, "stream": True}, "echo is not supported with stream"),
+        (
+            {"prompt": "hi", "prompt_logprobs": 1, "stream": True},
+            "prompt_logprobs is not supported with stream",
+        ),
+        (
+            {"prompt": "hi", "prompt_logprobs": 21},
+            "prompt_logprobs: Input should be less than or equal to 20",
+        ),
+        ({"prompt": ["a", ""]}, "prompt 1 is empty"),
+    ],
+)
+def test_bad_prompt_options_get_400(base_url: str, body: dict, message: str) -> None:
+    response = httpx.post(base_url + "/v1/completions", json={"model": MODEL_NAME, **body}, timeout=30)
+    assert response.status_code == 400, response.text
+    assert message in response.json()["error"]["message"]
