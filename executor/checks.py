@@ -94,6 +94,8 @@ def _prompt_logprobs(op: str, chunk: PrefillChunk, vocab_size: int) -> None:
         raise StepRejected(f"{where} has next_token {chunk.next_token} but last={chunk.last}")
     if chunk.next_token != NO_TOKEN and not 0 <= chunk.next_token < vocab_size:
         raise StepRejected(f"{where} has next_token {chunk.next_token} outside 0..{vocab_size - 1}")
+    if chunk.grammar is not None and not chunk.last:
+        raise StepRejected(f"{where} carries a grammar but is not its prompt's last chunk")
 
 
 def check_decode(rows: list[DecodeRow], capacity: Capacity, vocab_size: int, op: str = "decode") -> None:

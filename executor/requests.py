@@ -33,6 +33,7 @@ class GenerationParams:
     stop_token_ids: tuple[int, ...] = ()  # ids that end the request like an end-of-sequence token
     min_tokens: int = 0  # no end-of-sequence or stop id before this many output tokens
     prompt_logprobs: int | None = None  # None: none; N: each prompt token's logprob and the top N
+    grammar: str | None = None  # an llguidance grammar the output must follow (rank 0 masks the rest)
 
     def validate(self, vocab_size: int) -> None:
         """Raise ValueError naming the first bad field."""

@@ -406,6 +406,7 @@ class Scheduler:
                 sampling=request.sampling,
                 prompt_logprobs=request.params.prompt_logprobs,
                 next_token=request.prompt[end] if end < len(request.prompt) else NO_TOKEN,
+                grammar=request.params.grammar if end == len(request.prompt) else None,
             )
             planned.append((request, chunk))
             request.cursor = end

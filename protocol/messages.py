@@ -35,8 +35,9 @@ import msgspec
 
 # 2: pipelined decode (FED_TOKEN rows); 3: a prefill feeds the first decode;
 # 4: SamplingParams carries min_p, logit_bias and banned ids (min_tokens);
-# 5: prompt logprobs (PrefillChunk.prompt_logprobs and next_token, PromptLogprobs in the replies)
-PROTOCOL_VERSION = 5
+# 5: prompt logprobs (PrefillChunk.prompt_logprobs and next_token, PromptLogprobs in the replies);
+# 6: constrained output (PrefillChunk.grammar)
+PROTOCOL_VERSION = 6
 
 # ---------------------------------------------------------------------------------------------
 # Shared pieces
@@ -147,6 +148,11 @@ class PrefillChunk(msgspec.Struct, frozen=True, array_like=True):
     including ``next_token`` (the prompt token right after the chunk; ``NO_TOKEN`` on the last
     chunk), with the top N. The ranks compute it on their vocabulary shards: only each position's
     log-normaliser, the scored token's logit and each shard's top N cross between ranks.
+
+    ``grammar`` (a prompt's last chunk only): an llguidance grammar (its serialized JSON, or Lark
+    text) the request's output must follow. Rank 0 keeps a matcher for the request from this
+    chunk until its DropRequest: each token it samples for the request, at this chunk and at every
+    decode row, is one the grammar allows at that point (end-of-sequence once it is complete).
     """
 
     request_id: int
@@ -158,6 +164,7 @@ class PrefillChunk(msgspec.Struct, frozen=True, array_like=True):
     feed_slot: int = NO_FEED
     prompt_logprobs: int | None = None
     next_token: int = NO_TOKEN
+    grammar: str | None = None
 
 
 FED_TOKEN = -1

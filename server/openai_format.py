@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 from server.detokenizer import IncrementalDetokenizer, TextTokenizer
 from server.generation import Chunk, Done, Generation, PromptScores, PromptToken, TokenInfo
 from server.reasoning import ReasoningSplitter
+from server.tool_calls import ToolCallSplitter
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -166,6 +167,8 @@ class CompletionFormat(_Response):
 @dataclass
 class ChatFormat(_Response):
     starts_in_reasoning: bool = False
+    parses_tool_calls: bool = False  # the request offered tools: the reply's <tool_call> blocks are calls
+    parallel_tool_calls: bool = True
     object_: ClassVar[str] = "chat.completion"
     chunk_object: ClassVar[str] = "chat.completion.chunk"
 
@@ -190,18 +193,34 @@ class ChatFormat(_Response):
             ]
         }
 
+    def _finish(self, reason: str, calls: int) -> str:
+        return "tool_calls" if calls and reason == "stop" else reason
+
+    def _tool_calls(self, calls: list[dict[str, Any]], already: int = 0) -> list[dict[str, Any]]:
+        """The calls to return (only the first of the reply without ``parallel_tool_calls``)."""
+        return calls if self.parallel_tool_calls else calls[: max(0, 1 - already)]
+
     def choice(self, index: int, prompt_ids: list[int], result: Collected) -> dict[str, Any]:
         splitter = ReasoningSplitter(self.starts_in_reasoning)
         reasoning, content = splitter.push(result.text)
         more_reasoning, more_content = splitter.flush()
-        message: dict[str, Any] = {"role": "assistant", "content": content + more_content}
+        content += more_content
+        calls: list[dict[str, Any]] = []
+        if self.parses_tool_calls:
+            tools = ToolCallSplitter()
+            content, found = tools.push(content)
+            content += tools.flush()
+            calls = self._tool_calls(found)
+        message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
+        if calls:
+            message["tool_calls"] = calls
         if reasoning + more_reasoning:
             message["reasoning_content"] = reasoning + more_reasoning
         return {
             "index": index,
             "message": message,
             "logprobs": self._logprobs(result.tokens),
-            "finish_reason": result.done.finish_reason,
+            "finish_reason": self._finish(result.done.finish_reason, len(calls)),
         }
 
     @staticmethod
@@ -220,12 +239,28 @@ class ChatFormat(_Response):
             return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
         splitter = ReasoningSplitter(self.starts_in_reasoning)
+        tools = ToolCallSplitter() if self.parses_tool_calls else None
+        sent = 0  # tool calls streamed so far
+
+        def delta(reasoning: str, content: str, end: bool = False) -> dict[str, Any]:
+            nonlocal sent
+            if tools is None:
+                return self._delta(reasoning, content)
+            content, found = tools.push(content)
+            content += tools.flush() if end else ""
+            out: dict[str, Any] = self._delta(reasoning, content)
+            calls = self._tool_calls(found, sent)
+            if calls:
+                out["tool_calls"] = [{"index": sent + i, **call} for i, call in enumerate(calls)]
+                sent += len(calls)
+            return out
+
         yield chunk({"role": "assistant", "content": ""})
         async for item in generation:
             if isinstance(item, Chunk):
-                delta = self._delta(*splitter.push(item.text))
-                if delta or (item.tokens and self.want_logprobs):
-                    yield chunk(delta, self._logprobs(item.tokens))
+                piece = delta(*splitter.push(item.text))
+                if piece or (item.tokens and self.want_logprobs):
+                    yield chunk(piece, self._logprobs(item.tokens))
             elif isinstance(item, Done):
-                yield chunk(self._delta(*splitter.flush()), finish=item.finish_reason)
+                yield chunk(delta(*splitter.flush(), end=True), finish=self._finish(item.finish_reason, sent))
                 yield item

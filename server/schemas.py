@@ -15,6 +15,7 @@ MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on one bias
 MAX_PROMPTS = 1024  # prompts in one completions request
+STRUCTURED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice")
 
 
 class StreamOptions(BaseModel):
@@ -49,6 +50,11 @@ class SamplingRequest(BaseModel):
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     user: str | None = None  # OpenAI's end-user id: recorded by no one, changes nothing
+    # structured output (server/structured.py): at most one of these
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
 
     @model_validator(mode="after")
     def _unsupported(self) -> SamplingRequest:
@@ -58,6 +64,11 @@ class SamplingRequest(BaseModel):
                 raise ValueError(f"{name} is not supported (only {value})")
         if self.stream and self.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs is not supported with stream")
+        constraints = [name for name in STRUCTURED_FIELDS if getattr(self, name) is not None]
+        if len(constraints) > 1:
+            raise ValueError(f"{constraints[1]} cannot be combined with {constraints[0]}")
+        if constraints and self.min_tokens:
+            raise ValueError(f"min_tokens is not supported with {constraints[0]}")
         return self
 
     @field_validator("logit_bias")
@@ -156,7 +167,22 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None  # handed to the chat template; replies are not parsed
+    tools: list[dict[str, Any]] | None = None  # handed to the chat template; replies parsed for calls
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True  # False: at most the first call is returned
+
+    @model_validator(mode="after")
+    def _tool_choice(self) -> ChatCompletionRequest:
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        constraints = [name for name in STRUCTURED_FIELDS if getattr(self, name) is not None]
+        if self.tool_choice not in (None, "none", "auto") and constraints:
+            raise ValueError(f"a tool_choice that demands a call cannot be combined with {constraints[0]}")
+        return self
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -16,6 +16,7 @@ from server.errors import bad_request, unavailable
 from server.generation import Generation, StopRule
 from server.metrics import ServerMetrics
 from server.schemas import ChatCompletionRequest, SamplingRequest
+from server.structured import guided_grammar, response_format_grammar, tool_call_grammar, tool_names
 
 
 @dataclass
@@ -54,12 +55,15 @@ class ServerState:
             raise bad_request(
                 f"n is {body.n}, but this server runs at most {slots} sequences at once", param="n"
             )
+        grammar = output_grammar(body)
         choices: list[Choice] = []
         try:
             for p, prompt_ids in enumerate(prompts):
                 for sample in range(body.n):
                     seed = derived_seed(body.seed, sample)
-                    generation = self.start(prompt_ids, body, max_tokens, logprobs, seed, prompt_logprobs)
+                    generation = self.start(
+                        prompt_ids, body, max_tokens, logprobs, seed, prompt_logprobs, grammar
+                    )
                     choices.append(Choice(p * body.n + sample, prompt_ids, generation, sample == 0))
         except BaseException:
             for choice in choices:
@@ -80,6 +84,7 @@ class ServerState:
             text = self.template.render(
                 messages,
                 add_generation_prompt=body.add_generation_prompt,
+                tools=body.tools,
                 **(body.chat_template_kwargs or {}),
             )
         except ChatTemplateError as e:
@@ -95,6 +100,7 @@ class ServerState:
         logprobs: int | None,
         seed: int | None,
         prompt_logprobs: int | None,
+        grammar: str | None,
     ) -> Generation:
         if self.engine.poison_reason is not None:
             raise unavailable(f"engine is poisoned: {self.engine.poison_reason}")
@@ -130,6 +136,7 @@ class ServerState:
             stop_token_ids=tuple(body.stop_token_ids or ()),
             min_tokens=body.min_tokens,
             prompt_logprobs=prompt_logprobs,
+            grammar=grammar,
         )
         stops = StopRule(body.stop_strings, body.include_stop_str_in_output, body.min_tokens)
         try:
@@ -138,6 +145,27 @@ class ServerState:
             raise bad_request(str(e)) from e
         except RuntimeError as e:  # the engine closed between the check above and submit
             raise unavailable(str(e)) from e
+
+
+def output_grammar(body: SamplingRequest) -> str | None:
+    """The grammar the request's output must follow: a tool call its tool_choice demands, or its
+    response format or guided decoding; None when nothing constrains it."""
+    if isinstance(body, ChatCompletionRequest) and body.tools:
+        names = tool_names(body.tools)
+        choice = body.tool_choice
+        if isinstance(choice, dict):
+            name = (choice.get("function") or {}).get("name")
+            if choice.get("type") != "function" or name not in names:
+                raise bad_request(
+                    f"tool_choice: no tool named {name!r} among the tools offered ({', '.join(names)})",
+                    param="tool_choice",
+                )
+            return tool_call_grammar(body.tools, [name])
+        if choice == "required":
+            return tool_call_grammar(body.tools, names)
+    if body.response_format is not None:
+        return response_format_grammar(body.response_format)
+    return guided_grammar(body.guided_json, body.guided_regex, body.guided_choice)
 
 
 def derived_seed(seed: int | None, sample: int) -> int | None:

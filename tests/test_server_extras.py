@@ -113,7 +113,7 @@ def test_completion_logprobs_have_vllm_shape_and_offsets_in_text(client: openai.
         ("/v1/completions", "suffix", "end"),
         ("/v1/completions", "guided_grammar", "root ::= 'a'"),
         ("/v1/chat/completions", "continue_final_message", True),
-        ("/v1/chat/completions", "parallel_tool_calls", False),
+        ("/v1/chat/completions", "functions", [{"name": "f"}]),
     ],
 )
 def test_unknown_fields_are_refused_by_name(base_url: str, path: str, field: str, value: object) -> None:

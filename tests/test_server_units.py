@@ -27,6 +27,7 @@ from server.generation import Chunk, Done, Generation, StopRule
 from server.metrics import ServerMetrics
 from server.openai_format import ChatFormat, Collected
 from server.reasoning import ReasoningSplitter
+from server.tool_calls import ToolCallSplitter
 
 # A Qwen-style template: system prompt first, tool messages, reasoning kept only in the last
 # turn, a thinking switch, and the template's own raise_exception.
@@ -272,3 +273,31 @@ def test_chat_format_separates_reasoning_streamed_and_whole(tiny_model_dir: Path
         "content": "Answer: B",
         "reasoning_content": "weigh it",
     }
+
+
+@pytest.mark.parametrize("step", [1, 4, 1000])
+def test_tool_call_splitter_across_deltas(step: int) -> None:
+    text = 'Sure. <tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call><tool_call>{bad}</tool_call> <tool'
+    splitter = ToolCallSplitter()
+    content, calls = [], []
+    for i in range(0, len(text), step):
+        shown, found = splitter.push(text[i : i + step])
+        content.append(shown)
+        calls += found
+    content.append(splitter.flush())
+    assert "".join(content) == "Sure. <tool_call>{bad}</tool_call> <tool"
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("f", {"x": 1})
+    ]
+
+
+def test_chat_choice_keeps_only_the_first_call_without_parallel_tool_calls(tiny_model_dir: Path) -> None:
+    tokenizer = TextTokenizer.from_model_dir(tiny_model_dir)
+    call = '<tool_call>{"name": "%s", "arguments": {}}</tool_call>'
+    result = Collected(call % "a" + call % "b", [], Done("stop", 3, 9))
+    fmt = ChatFormat(
+        tokenizer, "tiny", want_logprobs=False, parses_tool_calls=True, parallel_tool_calls=False
+    )
+    choice = fmt.choice(0, [1], result)
+    assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["a"]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None

@@ -71,9 +71,14 @@ def _validate(logits: torch.Tensor, params: list[SamplingParams], positions: lis
                 )
 
 
-def _steered(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> torch.Tensor | None:
-    """The logits with each row's bias added and its banned ids at -inf; None if no row has any."""
+def _steered(
+    logits: torch.Tensor, params: list[SamplingParams], positions: list[int], allowed: torch.Tensor | None
+) -> torch.Tensor | None:
+    """The logits with each row's bias added, its banned ids and the ids its grammar does not
+    allow (``allowed`` False) at -inf; None if no row has any of these."""
     steered = None
+    if allowed is not None:
+        steered = torch.where(allowed, logits.to(torch.float32), float("-inf"))
     for row, (p, position) in enumerate(zip(params, positions, strict=True)):
         banned = p.banned_ids if p.banned_ids and position < p.banned_until else None
         if not p.logit_bias and not banned:
@@ -219,13 +224,15 @@ def draw_tokens(
     positions: list[int],
     greedy: torch.Tensor | None = None,
     landed: LandedTokens | None = None,
+    allowed: torch.Tensor | None = None,
 ) -> DrawnTokens:
     """Pick one token per row of ``logits`` [rows, vocab] (any float dtype, CPU or CUDA), on its
     device; ``to_host()`` of the result gives each row's Sample. ``greedy``, when given, is every
     row's argmax already (the decode graph picks it): rows that sample replace theirs in a copy.
-    ``landed`` is where the graph also stored ``greedy`` on the host: read there if no row samples."""
+    ``landed`` is where the graph also stored ``greedy`` on the host: read there if no row samples.
+    ``allowed`` (bool [rows, vocab]) are the ids each row may pick (a grammar's mask)."""
     _validate(logits, params, positions)
-    steered = _steered(logits, params, positions)
+    steered = _steered(logits, params, positions, allowed)
     if steered is not None:
         greedy = None  # the graph's argmax saw the logits before bias and bans
     picked_from = logits if steered is None else steered
