@@ -18,6 +18,7 @@ from server.errors import ApiError, error_body
 from server.metrics import ServerMetrics
 from server.routes import router
 from server.service import ServerState
+from server.structured import GrammarCheck
 
 log = structlog.get_logger("phalanx.server")
 
@@ -55,6 +56,7 @@ def create_app(
         template=template,
         metrics=metrics,
         model_name=served_model_name or model_dir.name,
+        grammar_check=GrammarCheck(model_dir, engine.model_info.vocab_size, engine.model_info.eos_token_ids),
         default_max_tokens=default_max_tokens,
     )
     app.include_router(router)

@@ -16,7 +16,13 @@ from server.errors import bad_request, unavailable
 from server.generation import Generation, StopRule
 from server.metrics import ServerMetrics
 from server.schemas import ChatCompletionRequest, SamplingRequest
-from server.structured import guided_grammar, response_format_grammar, tool_call_grammar, tool_names
+from server.structured import (
+    GrammarCheck,
+    guided_grammar,
+    response_format_grammar,
+    tool_call_grammar,
+    tool_names,
+)
 
 
 @dataclass
@@ -26,6 +32,7 @@ class ServerState:
     template: ChatTemplate | None
     metrics: ServerMetrics
     model_name: str
+    grammar_check: GrammarCheck
     default_max_tokens: int | None = None  # None: whatever the context leaves (OpenAI's chat default)
 
     @property
@@ -55,7 +62,7 @@ class ServerState:
             raise bad_request(
                 f"n is {body.n}, but this server runs at most {slots} sequences at once", param="n"
             )
-        grammar = output_grammar(body)
+        grammar = output_grammar(body, self.grammar_check)
         choices: list[Choice] = []
         try:
             for p, prompt_ids in enumerate(prompts):
@@ -147,7 +154,7 @@ class ServerState:
             raise unavailable(str(e)) from e
 
 
-def output_grammar(body: SamplingRequest) -> str | None:
+def output_grammar(body: SamplingRequest, check: GrammarCheck) -> str | None:
     """The grammar the request's output must follow: a tool call its tool_choice demands, or its
     response format or guided decoding; None when nothing constrains it."""
     if isinstance(body, ChatCompletionRequest) and body.tools:
@@ -160,12 +167,12 @@ def output_grammar(body: SamplingRequest) -> str | None:
                     f"tool_choice: no tool named {name!r} among the tools offered ({', '.join(names)})",
                     param="tool_choice",
                 )
-            return tool_call_grammar(body.tools, [name])
+            return tool_call_grammar(body.tools, [name], check)
         if choice == "required":
-            return tool_call_grammar(body.tools, names)
+            return tool_call_grammar(body.tools, names, check)
     if body.response_format is not None:
-        return response_format_grammar(body.response_format)
-    return guided_grammar(body.guided_json, body.guided_regex, body.guided_choice)
+        return response_format_grammar(body.response_format, check)
+    return guided_grammar(body.guided_json, body.guided_regex, body.guided_choice, check)
 
 
 def derived_seed(seed: int | None, sample: int) -> int | None:

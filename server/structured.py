@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 from typing import Any
 
 import llguidance
@@ -23,14 +24,26 @@ TOOL_CALL_CLOSE = "</tool_call>"
 JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
 
 
-def _checked(grammar: str, field: str) -> str:
-    error = llguidance.LLMatcher.validate_grammar(grammar)
-    if error:
-        raise bad_request(f"{field}: {error.strip()}", param=field)
-    return grammar
+class GrammarCheck:
+    """Compiles grammars against the model's tokenizer, as rank 0 will (built on first use)."""
+
+    def __init__(self, model_dir: str | Path, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+        self._tokenizer_file = Path(model_dir) / "tokenizer.json"
+        self._vocab_size = vocab_size
+        self._eos = list(eos_token_ids)
+        self._tokenizer: llguidance.LLTokenizer | None = None
+
+    def __call__(self, grammar: str, field: str) -> str:
+        if self._tokenizer is None:
+            json_text = self._tokenizer_file.read_text(encoding="utf-8")
+            self._tokenizer = llguidance.LLTokenizer(json_text, n_vocab=self._vocab_size, eos_token=self._eos)
+        error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer)
+        if error:
+            raise bad_request(f"{field}: {error.strip()}", param=field)
+        return grammar
 
 
-def _json_schema_grammar(schema: Any, field: str) -> str:
+def _json_schema_grammar(schema: Any, field: str, check: GrammarCheck) -> str:
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
@@ -42,37 +55,39 @@ def _json_schema_grammar(schema: Any, field: str) -> str:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)  # type: ignore[arg-type]
     except (ValueError, TypeError) as e:
         raise bad_request(f"{field}: {e}", param=field) from e
-    return _checked(grammar, field)
+    return check(grammar, field)
 
 
-def response_format_grammar(response_format: dict[str, Any]) -> str | None:
+def response_format_grammar(response_format: dict[str, Any], check: GrammarCheck) -> str | None:
     kind = response_format.get("type")
     if kind == "text":
         return None
     if kind == "json_object":
-        return _json_schema_grammar({"type": "object"}, "response_format")
+        return _json_schema_grammar({"type": "object"}, "response_format", check)
     if kind == "json_schema":
         spec = response_format.get("json_schema")
         if not isinstance(spec, dict) or "schema" not in spec:
             raise bad_request(
                 "response_format: json_schema needs a json_schema.schema", param="response_format"
             )
-        return _json_schema_grammar(spec["schema"], "response_format")
+        return _json_schema_grammar(spec["schema"], "response_format", check)
     raise bad_request(
         f"response_format: type must be text, json_object or json_schema, got {kind!r}",
         param="response_format",
     )
 
 
-def guided_grammar(guided_json: Any, guided_regex: str | None, guided_choice: list[str] | None) -> str | None:
+def guided_grammar(
+    guided_json: Any, guided_regex: str | None, guided_choice: list[str] | None, check: GrammarCheck
+) -> str | None:
     if guided_json is not None:
-        return _json_schema_grammar(guided_json, "guided_json")
+        return _json_schema_grammar(guided_json, "guided_json", check)
     if guided_regex is not None:
-        return _checked(llguidance.LLMatcher.grammar_from_regex(guided_regex), "guided_regex")
+        return check(llguidance.LLMatcher.grammar_from_regex(guided_regex), "guided_regex")
     if guided_choice is not None:
         if not guided_choice:
             raise bad_request("guided_choice: at least one choice is needed", param="guided_choice")
-        return _checked(
+        return check(
             llguidance.LLMatcher.grammar_from_regex("|".join(re.escape(c) for c in guided_choice)),
             "guided_choice",
         )
@@ -91,7 +106,7 @@ def tool_names(tools: list[dict[str, Any]]) -> list[str]:
     return names
 
 
-def tool_call_grammar(tools: list[dict[str, Any]], names: list[str]) -> str:
+def tool_call_grammar(tools: list[dict[str, Any]], names: list[str], check: GrammarCheck) -> str:
     """One ``<tool_call>`` block calling one of ``names`` with arguments that follow its parameters."""
     calls = [
         {
@@ -108,6 +123,6 @@ def tool_call_grammar(tools: list[dict[str, Any]], names: list[str]) -> str:
     ]
     schema = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": JSON_OPTIONS}
     lark = f"start: {json.dumps(TOOL_CALL_OPEN + chr(10))} call {json.dumps(chr(10) + TOOL_CALL_CLOSE)}\n"
-    return _checked(
+    return check(
         llguidance.LLMatcher.grammar_from_lark(lark + f"call: %json {json.dumps(schema)}\n"), "tools"
     )

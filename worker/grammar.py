@@ -3,7 +3,8 @@
 Before each pick the matcher says which tokens the grammar allows next (a bitmask over the model's
 vocabulary, padded rows never allowed); after it, the picked token advances the matcher. Once the
 grammar is complete only the end-of-sequence tokens are allowed, and they stay allowed (a request
-that ignores end-of-sequence runs on to its length). The tokenizer is built on first use, from the
+that ignores end-of-sequence runs on to its length). A grammar that allows no token of this
+vocabulary at some point ends its request there the same way, with end-of-sequence. The tokenizer is built on first use, from the
 checkpoint's tokenizer.json (about a second for a 248k vocabulary).
 """
 
@@ -65,6 +66,7 @@ class GrammarTable:
                 bitmask[row] = words_of[:words]
         bits = (bitmask.unsqueeze(-1) >> _BITS) & 1
         allowed = bits.reshape(len(request_ids), -1)[:, : self._vocab_size].bool()
+        complete += [row for row in range(len(request_ids)) if not allowed[row].any()]  # a dead end
         for row in complete:
             allowed[row] = False
             allowed[row, self._eos] = True
@@ -77,6 +79,9 @@ class GrammarTable:
             if matcher is None or matcher.is_stopped():
                 continue
             if not matcher.consume_token(token):
+                if token in self._eos:  # the end a dead end forced: the request stops here
+                    del self._matchers[request_id]
+                    continue
                 raise WorkerStateError(
                     f"request {request_id} picked token {token}, which its grammar does not allow: "
                     f"{matcher.get_error()}"
