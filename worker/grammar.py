@@ -13,11 +13,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import llguidance
+import numpy as np
 import torch
 
 from worker.errors import WorkerStateError
-
-_BITS = torch.arange(32, dtype=torch.int32)
 
 
 class GrammarTable:
@@ -51,26 +50,21 @@ class GrammarTable:
         grammar); None when no row has one."""
         if not any(request_id in self._matchers for request_id in request_ids):
             return None
-        words = -(-self._vocab_size // 32)
-        bitmask = torch.full((len(request_ids), words), -1, dtype=torch.int32)
-        complete = []
+        allowed = np.ones((len(request_ids), self._vocab_size), dtype=bool)
         for row, request_id in enumerate(request_ids):
             matcher = self._matchers.get(request_id)
             if matcher is None:
                 continue
-            if matcher.is_stopped():
-                complete.append(row)
-            else:
+            if not matcher.is_stopped():
                 # llguidance's mask may run a word past the vocabulary: those ids do not exist here
-                words_of = torch.frombuffer(bytearray(matcher.compute_bitmask()), dtype=torch.int32)
-                bitmask[row] = words_of[:words]
-        bits = (bitmask.unsqueeze(-1) >> _BITS) & 1
-        allowed = bits.reshape(len(request_ids), -1)[:, : self._vocab_size].bool()
-        complete += [row for row in range(len(request_ids)) if not allowed[row].any()]  # a dead end
-        for row in complete:
-            allowed[row] = False
-            allowed[row, self._eos] = True
-        return allowed.to(device)
+                bits = np.unpackbits(
+                    np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little"
+                )
+                allowed[row] = bits[: self._vocab_size]
+            if matcher.is_stopped() or not allowed[row].any():  # complete, or a dead end: the end only
+                allowed[row] = False
+                allowed[row, self._eos] = True
+        return torch.from_numpy(allowed).to(device)
 
     def advance(self, request_ids: list[int], tokens: list[int]) -> None:
         """Feed each constrained row's picked token to its matcher."""
