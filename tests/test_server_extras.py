@@ -274,17 +274,16 @@ def test_n_choices_use_derived_seeds(client: openai.OpenAI) -> None:
 
 
 def test_streamed_choices_carry_their_index(client: openai.OpenAI) -> None:
-    stream = client.chat.completions.create(
-        model=MODEL_NAME,
-        messages=[{"role": "user", "content": "Hi"}],
-        max_tokens=5,
-        n=2,
-        temperature=1.0,
-        seed=5,
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True},
-    )
+    request = {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 5,
+        "n": 2,
+        "temperature": 1.0,
+        "seed": 5,
+        "extra_body": {"ignore_eos": True},
+    }
+    stream = client.chat.completions.create(**request, stream=True, stream_options={"include_usage": True})
     texts, finished, usage = ["", ""], [None, None], None
     for chunk in stream:
         for choice in chunk.choices:
@@ -292,15 +291,7 @@ def test_streamed_choices_carry_their_index(client: openai.OpenAI) -> None:
             finished[choice.index] = choice.finish_reason or finished[choice.index]
         usage = chunk.usage or usage
     assert finished == ["length", "length"] and usage.completion_tokens == 10
-    whole = client.chat.completions.create(
-        model=MODEL_NAME,
-        messages=[{"role": "user", "content": "Hi"}],
-        max_tokens=5,
-        n=2,
-        temperature=1.0,
-        seed=5,
-        extra_body={"ignore_eos": True},
-    )
+    whole = client.chat.completions.create(**request)
     assert [c.message.content for c in whole.choices] == texts
 
 
