@@ -301,3 +301,26 @@ def test_chat_choice_keeps_only_the_first_call_without_parallel_tool_calls(tiny_
     choice = fmt.choice(0, [1], result)
     assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["a"]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+
+
+def test_an_unexpected_server_failure_is_a_500_in_openai_shape(tiny_model_dir: Path) -> None:
+    engine = Engine(PoisonableRanks(), tiny_model_dir)
+    try:
+        app = create_app(engine, tiny_model_dir, "tiny")
+
+        def broken() -> None:  # the injected fault: a handler that fails
+            raise RuntimeError("injected")
+
+        app.add_api_route("/v1/broken", broken)
+        with TestClient(app, raise_server_exceptions=False) as http:
+            response = http.get("/v1/broken")
+            assert response.status_code == 500
+            assert response.json()["error"] == {
+                "message": "internal error in GET /v1/broken: RuntimeError: injected",
+                "type": "server_error",
+                "param": None,
+                "code": None,
+            }
+            assert http.get("/health").status_code == 200
+    finally:
+        engine.shutdown()
