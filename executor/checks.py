@@ -90,7 +90,7 @@ def _prompt_logprobs(op: str, chunk: PrefillChunk, vocab_size: int) -> None:
         raise StepRejected(
             f"{where} asks for {chunk.prompt_logprobs} prompt top logprobs (0..{MAX_TOP_LOGPROBS})"
         )
-    if chunk.last != (chunk.next_token == NO_TOKEN):
+    if chunk.prompt_logprobs is not None and chunk.last != (chunk.next_token == NO_TOKEN):
         raise StepRejected(f"{where} has next_token {chunk.next_token} but last={chunk.last}")
     if chunk.next_token != NO_TOKEN and not 0 <= chunk.next_token < vocab_size:
         raise StepRejected(f"{where} has next_token {chunk.next_token} outside 0..{vocab_size - 1}")

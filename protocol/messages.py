@@ -145,8 +145,8 @@ class PrefillChunk(msgspec.Struct, frozen=True, array_like=True):
 
     ``prompt_logprobs`` N (None: not asked): rank 0 answers a ``PromptLogprobs`` for the chunk:
     each prompt token after the chunk's first position, given the tokens before it, up to and
-    including ``next_token`` (the prompt token right after the chunk; ``NO_TOKEN`` on the last
-    chunk), with the top N. The ranks compute it on their vocabulary shards: only each position's
+    including ``next_token`` (the prompt token right after the chunk, ``NO_TOKEN`` on the last
+    chunk; read only when prompt logprobs are asked), with the top N. The ranks compute it on their vocabulary shards: only each position's
     log-normaliser, the scored token's logit and each shard's top N cross between ranks.
 
     ``grammar`` (a prompt's last chunk only): an llguidance grammar (its serialized JSON, or Lark
