@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from executor.engine import Engine, ErrorEvent, FinishEvent, GenerationParams, RequestStream, TokenEvent
 from executor.events import PromptLogprobsEvent
+from server.access_log import current_usage
 from server.detokenizer import IncrementalDetokenizer, StopMatcher, TextTokenizer
 from server.metrics import ServerMetrics
 
@@ -83,11 +84,13 @@ class Generation:
         self._engine = engine
         self._metrics = metrics
         self._prompt_ids = prompt_ids
+        self._prompt_tokens = len(prompt_ids)
         self._detokenizer = IncrementalDetokenizer(tokenizer)
         self._rule = stop
         self._stops = StopMatcher(stop.strings, stop.include)
         self._stop_token_ids = frozenset(params.stop_token_ids)
         self._text_length = 0  # characters the detokenizer has given so far
+        self._usage = current_usage()  # the access log's record of the HTTP request, if any
         # raises ValueError (bad input) or RuntimeError (engine closed) before anything is queued
         self._stream: RequestStream = engine.submit(prompt_ids, params)
         # a response that is dropped before it ever reads the stream (the client left before the
@@ -107,6 +110,7 @@ class Generation:
                     yield self._prompt_scores(event)
                 elif isinstance(event, TokenEvent):
                     timing.token()
+                    self._metrics.token(self._prompt_tokens if timing.count == 1 else 0)
                     offset = self._text_length
                     text = self._stops.push(
                         self._token_text(event.token_id), timing.count >= self._rule.min_tokens
@@ -133,6 +137,8 @@ class Generation:
             if not ended:  # the consumer left early: a client disconnect or a cancelled task
                 self._engine.cancel(self.request_id)
                 self._metrics.finished("cancelled")
+            if self._usage is not None:
+                self._usage.record(self._prompt_tokens, timing.count, timing.ttft)
 
     def _prompt_scores(self, event: PromptLogprobsEvent) -> PromptScores:
         tops = event.top_logprobs or [None] * len(event.logprobs)
@@ -153,9 +159,8 @@ class Generation:
         return True
 
     def _done(self, timing: _Timing, reason: str) -> Done:
-        prompt_tokens = len(self._prompt_ids)
-        self._metrics.finished(reason, timing.ttft, timing.tpot, prompt_tokens, timing.count)
-        return Done(reason, prompt_tokens, timing.count)
+        self._metrics.finished(reason, timing.ttft, timing.tpot)
+        return Done(reason, self._prompt_tokens, timing.count)
 
 
 class _Timing:

@@ -1,6 +1,8 @@
 """Prometheus metrics of the server (``GET /metrics``), in a registry of its own per app.
 
-Request counts and latency histograms are recorded as requests finish; the engine's occupancy
+Token counters move as tokens arrive (a request's prompt once its first token is out), so the
+periodic stats line can read throughput from them; request counts and latency histograms are
+recorded as requests finish; the engine's occupancy
 (running, waiting, KV pages, slots, steps, last step latency) is read from ``engine.stats()`` at
 scrape time, so it is never stale.
 """
@@ -8,6 +10,7 @@ scrape time, so it is never stale.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -40,6 +43,14 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily("phalanx_engine_steps", "engine steps run", value=s.steps)
 
 
+@dataclass
+class TokenTotals:
+    """Tokens processed since the server started, as plain numbers for the stats line."""
+
+    prompt: int = 0
+    generation: int = 0
+
+
 class ServerMetrics:
     def __init__(self, stats: Callable[[], EngineStats], poisoned: Callable[[], bool]) -> None:
         self.registry = CollectorRegistry()
@@ -64,22 +75,21 @@ class ServerMetrics:
             "phalanx_generation_tokens", "generated tokens", registry=self.registry
         )
         self.registry.register(_EngineCollector(stats, poisoned))
+        self.totals = TokenTotals()
 
-    def finished(
-        self,
-        outcome: str,
-        ttft: float | None = None,
-        tpot: float | None = None,
-        prompt_tokens: int = 0,
-        completion_tokens: int = 0,
-    ) -> None:
+    def token(self, prompt_tokens: int = 0) -> None:
+        """One generated token; the first of a request also brings its ``prompt_tokens``."""
+        self.totals.generation += 1
+        self.totals.prompt += prompt_tokens
+        self.generation_tokens.inc()
+        self.prompt_tokens.inc(prompt_tokens)
+
+    def finished(self, outcome: str, ttft: float | None = None, tpot: float | None = None) -> None:
         self.requests.labels(outcome=outcome).inc()
         if ttft is not None:
             self.ttft.observe(ttft)
         if tpot is not None:
             self.tpot.observe(tpot)
-        self.prompt_tokens.inc(prompt_tokens)
-        self.generation_tokens.inc(completion_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -12,6 +12,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import zmq
+from log_lines import rank_records
 
 from executor.launcher import ExecutorConfig, launch_executor
 from protocol import (
@@ -148,6 +149,7 @@ def test_fuzz_rank_and_coordinator_sockets(
         max_batch_tokens=64,
         step_timeout=20.0,
         record=str(trace_path),
+        log_format="json",
     )
     ex = launch_executor(config)
     try:
@@ -176,14 +178,10 @@ def test_fuzz_rank_and_coordinator_sockets(
         ex.shutdown()
 
     err = capfd.readouterr().err
-    rank_lines = [line for line in err.splitlines() if line.startswith("timestamp=") and " rank=0 " in line]
-    rejected = [
-        line
-        for line in rank_lines
-        if "event='frame rejected'" in line or "event='stale command rejected'" in line
-    ]
+    rank_lines = rank_records(err, rank=0)
+    rejected = [r for r in rank_lines if r["event"] in ("frame rejected", "stale command rejected")]
     assert len(rejected) == FRAMES_PER_SOCKET
-    assert not any("level='error'" in line for line in rank_lines)
+    assert not any(r["level"] == "error" for r in rank_lines)
 
     # The trace holds every frame the coordinator received: besides the fuzz, only Acks to our
     # own commands. Nothing was executed, so nothing else was answered.
