@@ -51,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--batch", default="1,16", help="comma-separated batch sizes")
     parser.add_argument("--steps", type=at_least(1), default=200, help="timed steps per batch size")
-    parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument("--json", type=Path, help="also write the rows to this file (default: none)")
 
 
 def _tokenizer_dir(vocab: int, root: Path) -> Path:
