@@ -4,7 +4,8 @@ coordinator can prove the command wrong without asking any rank."""
 from __future__ import annotations
 
 from executor.errors import StepRejected
-from protocol.messages import FED_TOKEN, NO_FEED, Capacity, DecodeRow, DropRequest, PrefillChunk
+from executor.requests import MAX_TOP_LOGPROBS
+from protocol.messages import FED_TOKEN, NO_FEED, NO_TOKEN, Capacity, DecodeRow, DropRequest, PrefillChunk
 from protocol.packing import unpack_ids
 
 
@@ -62,6 +63,7 @@ def check_prefill(
         total += len(tokens)
         _pages(op, chunk.request_id, chunk.page_ids, chunk.start + len(tokens), capacity)
         _feed_slot(op, chunk, capacity, fed)
+        _prompt_logprobs(op, chunk, vocab_size)
     if total > capacity.max_batch_tokens:
         raise StepRejected(f"{op} has {total} tokens, exceeding max_batch_tokens {capacity.max_batch_tokens}")
 
@@ -80,6 +82,20 @@ def _feed_slot(op: str, chunk: PrefillChunk, capacity: Capacity, fed: set[int]) 
     if slot in fed:
         raise StepRejected(f"{op} has two chunks feeding slot {slot}")
     fed.add(slot)
+
+
+def _prompt_logprobs(op: str, chunk: PrefillChunk, vocab_size: int) -> None:
+    where = f"{op} chunk for request {chunk.request_id}"
+    if chunk.prompt_logprobs is not None and not 0 <= chunk.prompt_logprobs <= MAX_TOP_LOGPROBS:
+        raise StepRejected(
+            f"{where} asks for {chunk.prompt_logprobs} prompt top logprobs (0..{MAX_TOP_LOGPROBS})"
+        )
+    if chunk.prompt_logprobs is not None and chunk.last != (chunk.next_token == NO_TOKEN):
+        raise StepRejected(f"{where} has next_token {chunk.next_token} but last={chunk.last}")
+    if chunk.next_token != NO_TOKEN and not 0 <= chunk.next_token < vocab_size:
+        raise StepRejected(f"{where} has next_token {chunk.next_token} outside 0..{vocab_size - 1}")
+    if chunk.grammar is not None and not chunk.last:
+        raise StepRejected(f"{where} carries a grammar but is not its prompt's last chunk")
 
 
 def check_decode(rows: list[DecodeRow], capacity: Capacity, vocab_size: int, op: str = "decode") -> None:

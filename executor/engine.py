@@ -184,7 +184,8 @@ class Engine:
             request_id = self._ids.next()
             stream = RequestStream(request_id, self.cancel, self._forget)
             self._open[request_id] = stream
-            self._inbox.put(Request(request_id, [int(t) for t in prompt_ids], params, stream.push))
+            prompt = [int(t) for t in prompt_ids]
+            self._inbox.put(Request(request_id, prompt, params, stream.push, self.model_info.eos_token_ids))
         return stream
 
     def cancel(self, request_id: int) -> None:
@@ -219,7 +220,7 @@ class Engine:
                 raise ValueError(
                     f"prompt token {token!r} at index {index} is outside the vocabulary [0, {vocab})"
                 )
-        params.validate()
+        params.validate(vocab)
         context = self.model_info.max_context
         if len(prompt_ids) >= context:
             raise ValueError(

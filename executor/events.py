@@ -1,4 +1,5 @@
-"""What a request's stream yields: tokens, then exactly one final event (finish or error)."""
+"""What a request's stream yields: prompt logprobs if asked, tokens, then exactly one final event
+(finish or error)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,17 @@ class TokenEvent:
 
 
 @dataclass(frozen=True)
+class PromptLogprobsEvent:
+    """Logprobs of prompt tokens from position ``start`` on, each given the tokens before it, their
+    ranks, and the top N as (id, logprob); a request that asked gets them all before its first token."""
+
+    start: int
+    logprobs: list[float]
+    ranks: list[int]
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+@dataclass(frozen=True)
 class FinishEvent:
     reason: FinishReason
     prompt_tokens: int
@@ -29,7 +41,7 @@ class ErrorEvent:
     message: str
 
 
-Event = TokenEvent | FinishEvent | ErrorEvent
+Event = TokenEvent | PromptLogprobsEvent | FinishEvent | ErrorEvent
 
 
 def is_final(event: Event) -> bool:

@@ -28,8 +28,14 @@ class GenerationParams:
     seed: int | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    min_p: float = 0.0
+    logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit
+    stop_token_ids: tuple[int, ...] = ()  # ids that end the request like an end-of-sequence token
+    min_tokens: int = 0  # no end-of-sequence or stop id before this many output tokens
+    prompt_logprobs: int | None = None  # None: none; N: each prompt token's logprob and the top N
+    grammar: str | None = None  # an llguidance grammar the output must follow (rank 0 masks the rest)
 
-    def validate(self) -> None:
+    def validate(self, vocab_size: int) -> None:
         """Raise ValueError naming the first bad field."""
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
@@ -45,20 +51,46 @@ class GenerationParams:
             not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS
         ):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        for name, ids in (("logit_bias", self.logit_bias or {}), ("stop_token_ids", self.stop_token_ids)):
+            for token in ids:
+                if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
+                    raise ValueError(
+                        f"{name}: token id {token!r} is outside the vocabulary [0, {vocab_size})"
+                    )
+        if any(not math.isfinite(bias) for bias in (self.logit_bias or {}).values()):
+            raise ValueError("logit_bias values must be finite numbers")
+        if self.prompt_logprobs is not None and (
+            not isinstance(self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS
+        ):
+            raise ValueError(
+                f"prompt_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs!r}"
+            )
+        if isinstance(self.min_tokens, bool) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
 
-    def sampling(self) -> SamplingParams:
+    def sampling(self, prompt_length: int, eos_token_ids: tuple[int, ...] = ()) -> SamplingParams:
         """The parameters the ranks sample with. A request that samples (temperature > 0) without a
         seed gets one drawn here, once: the coordinator owns that decision like every other, so rank
-        0's draws follow from the commands alone and a recorded trace replays token for token."""
+        0's draws follow from the commands alone and a recorded trace replays token for token.
+        ``min_tokens`` becomes a ban of the ids that would end the request, up to the position of
+        its last required token."""
         seed = self.seed
         if seed is None and self.temperature > 0:
             seed = secrets.randbits(63)
+        ending = sorted({*self.stop_token_ids, *(() if self.ignore_eos else eos_token_ids)})
+        banned = self.min_tokens > 0 and ending
         return SamplingParams(
             temperature=float(self.temperature),
             top_k=self.top_k,
             top_p=float(self.top_p),
             seed=seed,
             logprobs=self.logprobs,
+            min_p=float(self.min_p),
+            logit_bias={int(k): float(v) for k, v in self.logit_bias.items()} if self.logit_bias else None,
+            banned_ids=ending if banned else None,
+            banned_until=prompt_length + self.min_tokens if banned else 0,
         )
 
 
@@ -76,6 +108,7 @@ class Request:
     prompt: list[int]
     params: GenerationParams
     emit: Callable[[Event], None]
+    eos_token_ids: tuple[int, ...] = ()
     sampling: SamplingParams = field(init=False)
     phase: Phase = Phase.WAITING
     pages: list[int] = field(default_factory=list)
@@ -84,7 +117,7 @@ class Request:
     cancelled: bool = False
 
     def __post_init__(self) -> None:
-        self.sampling = self.params.sampling()
+        self.sampling = self.params.sampling(len(self.prompt), self.eos_token_ids)
 
     @property
     def kv_tokens(self) -> int:

@@ -51,13 +51,16 @@ from executor.step_contract import (
     PipelinedExecutor,
     StepExecutor,
     align_results,
+    prompt_logprob_events,
     token_event,
 )
 from protocol.messages import (
     FED_TOKEN,
+    NO_TOKEN,
     DecodeRow,
     Expectation,
     PrefillChunk,
+    PromptLogprobs,
     TokenResult,
 )
 from protocol.packing import pack_ids
@@ -191,9 +194,10 @@ class Scheduler:
             self.steps += 1
             self.last_step_seconds = time.perf_counter() - started
             return True
+        scored: Sequence[PromptLogprobs] = ()
         if rows and chunks:
             done = self.executor.unified(chunks, rows)
-            decoded, prefilled = done.decode, done.prefill
+            decoded, prefilled, scored = done.decode, done.prefill, done.prompt_logprobs
         elif rows:
             decoded = self.executor.decode(rows).results
         elif self._feeds_first_decode(planned):
@@ -202,9 +206,11 @@ class Scheduler:
             self.last_step_seconds = time.perf_counter() - started
             return True
         else:
-            prefilled = self.executor.prefill(chunks).results
+            prefill_done = self.executor.prefill(chunks)
+            prefilled, scored = prefill_done.results, prefill_done.prompt_logprobs
         op = "unified" if rows and chunks else "decode" if rows else "prefill"
         self._apply_decode(op, rows, decoded)
+        self._publish_prompt_logprobs(op, planned, scored)
         self._apply_prefill(op, planned, prefilled)
         self.steps += 1
         self.last_step_seconds = time.perf_counter() - started
@@ -281,6 +287,7 @@ class Scheduler:
             return self._take_live_decode(step.rows, executor.collect_decode(step.handle).results, ended)
         done = executor.collect_unified(step.handle)
         finished = self._take_live_decode(step.rows, done.decode, ended, op="unified")
+        self._publish_prompt_logprobs("unified", step.planned, done.prompt_logprobs)
         return finished + self._take_prefill("unified", step.planned, done.prefill)
 
     def _take_live_decode(
@@ -327,6 +334,7 @@ class Scheduler:
         if sent is None:
             return {}
         done = self._pipelined.collect_prefill(sent.handle)
+        self._publish_prompt_logprobs("prefill", sent.planned, done.prompt_logprobs)
         aligned = align_results("prefill", done.results, [chunk.request_id for _, chunk in sent.planned])
         ended: dict[int, tuple[TokenEvent, FinishReason]] = {}
         for request, _ in sent.planned:
@@ -396,6 +404,9 @@ class Scheduler:
                 page_ids=pack_ids(request.pages[: pages_for_tokens(end, self.pages.page_size)]),
                 last=end == len(request.prompt),
                 sampling=request.sampling,
+                prompt_logprobs=request.params.prompt_logprobs,
+                next_token=request.prompt[end] if end < len(request.prompt) else NO_TOKEN,
+                grammar=request.params.grammar if end == len(request.prompt) else None,
             )
             planned.append((request, chunk))
             request.cursor = end
@@ -404,7 +415,10 @@ class Scheduler:
     # -- results ----------------------------------------------------------------------------
 
     def _finish_reason(self, request: Request) -> FinishReason | None:
-        if not request.params.ignore_eos and request.output[-1] in self.eos_token_ids:
+        last = request.output[-1]
+        if last in request.params.stop_token_ids:
+            return "stop"
+        if not request.params.ignore_eos and last in self.eos_token_ids:
             return "stop"
         if len(request.output) >= request.params.max_tokens:
             return "length"
@@ -452,6 +466,13 @@ class Scheduler:
         self, op: str, planned: list[tuple[Request, PrefillChunk]], results: Sequence[TokenResult]
     ) -> None:
         self._retire_finished(self._take_prefill(op, planned, results))
+
+    def _publish_prompt_logprobs(
+        self, op: str, planned: list[tuple[Request, PrefillChunk]], scored: Sequence[PromptLogprobs]
+    ) -> None:
+        for request_id, event in prompt_logprob_events(op, [chunk for _, chunk in planned], scored):
+            if request_id in self.requests:  # else retired meanwhile: nobody reads its stream
+                self.requests[request_id].emit(event)
 
     def _take_prefill(
         self, op: str, planned: list[tuple[Request, PrefillChunk]], results: Sequence[TokenResult]

@@ -9,14 +9,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from executor.events import TokenEvent
+from executor.events import PromptLogprobsEvent, TokenEvent
 from protocol.messages import (
+    NO_TOKEN,
     Capacity,
     DecodeDone,
     DecodeRow,
     Expectation,
     PrefillChunk,
     PrefillDone,
+    PromptLogprobs,
     SlotMove,
     TokenResult,
     UnifiedDone,
@@ -93,3 +95,33 @@ def token_event(result: TokenResult) -> TokenEvent:
     if result.top_ids is not None and result.top_logprobs is not None:
         top = list(zip(result.top_ids, result.top_logprobs, strict=True))
     return TokenEvent(token_id=result.token, logprob=result.logprob, top_logprobs=top)
+
+
+def prompt_logprob_events(
+    op: str, chunks: Sequence[PrefillChunk], scored: Sequence[PromptLogprobs]
+) -> list[tuple[int, PromptLogprobsEvent]]:
+    """Each chunk that asked for prompt logprobs gets exactly its own, in chunk order: the
+    positions after its first up to the token that follows it."""
+    asked = [chunk for chunk in chunks if chunk.prompt_logprobs is not None]
+    if len(scored) != len(asked):
+        raise ArtifactError(
+            f"invalid {op} artifact set: {len(scored)} prompt logprob spans for {len(asked)} chunks that asked"
+        )
+    events = []
+    for chunk, span in zip(asked, scored, strict=True):
+        count = len(chunk.tokens) // 4 - (1 if chunk.next_token == NO_TOKEN else 0)
+        if (span.request_id, span.start, len(span.logprobs), len(span.ranks)) != (
+            chunk.request_id,
+            chunk.start + 1,
+            count,
+            count,
+        ):
+            raise ArtifactError(
+                f"invalid {op} artifact set: prompt logprobs of request {span.request_id} from {span.start} "
+                f"({len(span.logprobs)}) answer chunk of request {chunk.request_id} from {chunk.start + 1} ({count})"
+            )
+        top = None
+        if span.top_ids is not None and span.top_logprobs is not None:
+            top = [list(zip(i, v, strict=True)) for i, v in zip(span.top_ids, span.top_logprobs, strict=True)]
+        events.append((span.request_id, PromptLogprobsEvent(span.start, span.logprobs, span.ranks, top)))
+    return events

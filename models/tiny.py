@@ -33,6 +33,12 @@ TINY_GEOMETRY: dict[str, int] = dict(
 )
 
 CHAT_TEMPLATE = (
+    # tools as Qwen offers them: a system turn listing each tool's JSON inside <tools>
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n# Tools\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\nCall one inside <tool_call></tool_call> tags.<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- for message in messages %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
     "{%- endfor %}"

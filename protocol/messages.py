@@ -33,7 +33,11 @@ import enum
 
 import msgspec
 
-PROTOCOL_VERSION = 3  # 2: pipelined decode (FED_TOKEN rows); 3: a prefill feeds the first decode
+# 2: pipelined decode (FED_TOKEN rows); 3: a prefill feeds the first decode;
+# 4: SamplingParams carries min_p, logit_bias and banned ids (min_tokens);
+# 5: prompt logprobs (PrefillChunk.prompt_logprobs and next_token, PromptLogprobs in the replies);
+# 6: constrained output (PrefillChunk.grammar)
+PROTOCOL_VERSION = 6
 
 # ---------------------------------------------------------------------------------------------
 # Shared pieces
@@ -48,6 +52,12 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults
     coordinator gives every request that samples a seed (its own, or one it draws), so a command
     fixes its tokens; a command without one (only a hand-made trace sends it) draws unseeded.
     logprobs None returns no logprobs; N >= 0 returns the chosen token's logprob and the top N.
+
+    min_p 0 disables it; else a token stays only if its probability (after temperature) is at
+    least min_p times the most likely token's. ``logit_bias`` (token id -> bias) is added to the
+    logits before the pick, greedy or not. ``banned_ids`` are never picked for a position below
+    ``banned_until`` (a minimum output length keeps the stop tokens out until it is reached).
+    Reported logprobs stay those of the raw distribution, before bias and bans.
     """
 
     temperature: float = 0.0
@@ -55,6 +65,10 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults
     top_p: float = 1.0
     seed: int | None = None
     logprobs: int | None = None
+    min_p: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    banned_ids: list[int] | None = None
+    banned_until: int = 0
 
 
 class Capacity(msgspec.Struct, frozen=True):
@@ -112,6 +126,9 @@ class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat", tag_field="op"):
 NO_FEED = -1
 """``PrefillChunk.feed_slot`` of a chunk that feeds no decode slot."""
 
+NO_TOKEN = -1
+"""``PrefillChunk.next_token`` of a prompt's last chunk: no prompt token follows it."""
+
 
 class PrefillChunk(msgspec.Struct, frozen=True, array_like=True):
     """One contiguous piece of one request's prompt.
@@ -125,6 +142,17 @@ class PrefillChunk(msgspec.Struct, frozen=True, array_like=True):
     request's first decode row will use. Every rank keeps the sampled token for that slot, so the
     next command may be that Decode with the row ``FED_TOKEN``, sent before this Prefill's answer
     is read. The slot must be free: no request is decoding in it.
+
+    ``prompt_logprobs`` N (None: not asked): rank 0 answers a ``PromptLogprobs`` for the chunk:
+    each prompt token after the chunk's first position, given the tokens before it, up to and
+    including ``next_token`` (the prompt token right after the chunk, ``NO_TOKEN`` on the last
+    chunk; read only when prompt logprobs are asked), with the top N. The ranks compute it on their vocabulary shards: only each position's
+    log-normaliser, the scored token's logit and each shard's top N cross between ranks.
+
+    ``grammar`` (a prompt's last chunk only): an llguidance grammar (its serialized JSON, or Lark
+    text) the request's output must follow. Rank 0 keeps a matcher for the request from this
+    chunk until its DropRequest: each token it samples for the request, at this chunk and at every
+    decode row, is one the grammar allows at that point (end-of-sequence once it is complete).
     """
 
     request_id: int
@@ -134,6 +162,9 @@ class PrefillChunk(msgspec.Struct, frozen=True, array_like=True):
     last: bool
     sampling: SamplingParams = SamplingParams()
     feed_slot: int = NO_FEED
+    prompt_logprobs: int | None = None
+    next_token: int = NO_TOKEN
+    grammar: str | None = None
 
 
 FED_TOKEN = -1
@@ -240,6 +271,19 @@ class TokenResult(msgspec.Struct, frozen=True, array_like=True):
     top_logprobs: list[float] | None = None
 
 
+class PromptLogprobs(msgspec.Struct, frozen=True, array_like=True):
+    """A chunk's prompt logprobs: ``logprobs[i]`` is that of the prompt token at position
+    ``start + i`` given the tokens before it, ``ranks[i]`` its rank (1 + the number of ids with a
+    higher logit); the top lists are present when N > 0."""
+
+    request_id: int
+    start: int
+    logprobs: list[float]
+    ranks: list[int]
+    top_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
+
+
 class Ack(msgspec.Struct, frozen=True, tag="ack", tag_field="op"):
     pass
 
@@ -249,9 +293,11 @@ class DropAck(msgspec.Struct, frozen=True, tag="drop_ack", tag_field="op"):
 
 
 class PrefillDone(msgspec.Struct, frozen=True, tag="prefill_done", tag_field="op"):
-    """One result per chunk marked ``last``; earlier chunks produce nothing."""
+    """One result per chunk marked ``last``; earlier chunks produce nothing. One
+    ``PromptLogprobs`` per chunk that asked for them, in chunk order."""
 
     results: list[TokenResult]
+    prompt_logprobs: list[PromptLogprobs] = []
 
 
 class DecodeDone(msgspec.Struct, frozen=True, tag="decode_done", tag_field="op"):
@@ -261,6 +307,7 @@ class DecodeDone(msgspec.Struct, frozen=True, tag="decode_done", tag_field="op")
 class UnifiedDone(msgspec.Struct, frozen=True, tag="unified_done", tag_field="op"):
     prefill: list[TokenResult]
     decode: list[TokenResult]
+    prompt_logprobs: list[PromptLogprobs] = []
 
 
 class Failed(msgspec.Struct, frozen=True, tag="failed", tag_field="op"):

@@ -11,6 +11,7 @@ import structlog
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
 from executor.engine import Engine
 from server.access_log import AccessLog
@@ -21,6 +22,7 @@ from server.errors import ApiError, error_body
 from server.metrics import ServerMetrics
 from server.routes import router
 from server.service import ServerState
+from server.structured import GrammarCheck
 
 log = structlog.get_logger("phalanx.server")
 
@@ -31,6 +33,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if first.get("type") == "json_invalid":
         return f"the request body is not valid JSON: {first.get('msg')}", None
     where = ".".join(location)
+    if first.get("type") == "extra_forbidden":
+        return f"{where}: this field is not supported by this server", location[0]
     return (f"{where}: {first.get('msg')}" if where else str(first.get("msg"))), (
         location[0] if location else None
     )
@@ -63,6 +67,7 @@ def create_app(
         template=template,
         metrics=metrics,
         model_name=served_model_name or model_dir.name,
+        grammar_check=GrammarCheck(model_dir, engine.model_info.vocab_size, engine.model_info.eos_token_ids),
         default_max_tokens=default_max_tokens,
     )
     app.include_router(router)
@@ -81,5 +86,23 @@ def create_app(
         metrics.rejected.inc()
         message, param = _validation_message(exc)
         return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        # routing's own errors: an unknown path (404) or method (405)
+        if exc.status_code == 404:
+            message = f"no route {request.method} {request.url.path}"
+        else:
+            message = f"{request.method} {request.url.path}: {exc.detail}"
+        type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(
+            error_body(message, type_), status_code=exc.status_code, headers=getattr(exc, "headers", None)
+        )
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("request failed", method=request.method, path=request.url.path)
+        message = f"internal error in {request.method} {request.url.path}: {type(exc).__name__}: {exc}"
+        return JSONResponse(error_body(message, "server_error"), status_code=500)
 
     return app

@@ -116,25 +116,30 @@ class IncrementalDetokenizer:
 
 
 class StopMatcher:
-    """Finds the first stop string in the generated text; holds back text that could start one."""
+    """Finds the first stop string in the generated text; holds back text that could start one.
+    The text ends before the stop string, or after it with ``include``."""
 
-    def __init__(self, stops: list[str]) -> None:
+    def __init__(self, stops: list[str], include: bool = False) -> None:
         self._stops = [s for s in stops if s]
+        self._include = include
         self._hold = max((len(s) for s in self._stops), default=1) - 1
         self._text = ""
         self._emitted = 0
         self.stopped = False
 
-    def push(self, delta: str) -> str:
-        """Text safe to emit after ``delta``; sets ``stopped`` once a stop string appears."""
+    def push(self, delta: str, armed: bool = True) -> str:
+        """Text safe to emit after ``delta``; sets ``stopped`` once a stop string appears.
+        Unarmed (before a minimum output length) no stop string ends the text."""
         if self.stopped:
             return ""
         search_from = max(0, len(self._text) - self._hold)
         self._text += delta
-        hits = [p for p in (self._text.find(s, search_from) for s in self._stops) if p >= 0]
-        if hits:
+        hits = [(self._text.find(s, search_from), s) for s in self._stops] if armed else []
+        found = [(at, stop) for at, stop in hits if at >= 0]
+        if found:
             self.stopped = True
-            return self._emit(min(hits))
+            at, stop = min(found, key=lambda hit: hit[0])
+            return self._emit(at + len(stop) if self._include else at)
         return self._emit(len(self._text) - self._hold)
 
     def flush(self) -> str:

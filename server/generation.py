@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from executor.engine import Engine, ErrorEvent, FinishEvent, GenerationParams, RequestStream, TokenEvent
+from executor.events import PromptLogprobsEvent
 from server.access_log import current_usage
 from server.detokenizer import IncrementalDetokenizer, StopMatcher, TextTokenizer
 from server.metrics import ServerMetrics
@@ -28,6 +29,32 @@ class TokenInfo:
     token_id: int
     logprob: float | None
     top_logprobs: list[tuple[int, float]] | None
+    text_offset: int = 0  # characters of the generated text before this token's
+
+
+@dataclass(frozen=True)
+class PromptToken:
+    """A prompt token's logprob given the tokens before it (the first prompt token has none)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top_logprobs: list[tuple[int, float]] | None
+
+
+@dataclass
+class PromptScores:
+    tokens: list[PromptToken]
+
+
+@dataclass(frozen=True)
+class StopRule:
+    """How the text ends: stop strings (kept in the text with ``include``), checked only once
+    ``min_tokens`` tokens are out; a stop token id's own text shows only with ``include``."""
+
+    strings: list[str] = field(default_factory=list)
+    include: bool = False
+    min_tokens: int = 0
 
 
 @dataclass
@@ -51,14 +78,18 @@ class Generation:
         metrics: ServerMetrics,
         prompt_ids: list[int],
         params: GenerationParams,
-        stops: list[str],
+        stop: StopRule,
     ) -> None:
         self._started = time.monotonic()
         self._engine = engine
         self._metrics = metrics
+        self._prompt_ids = prompt_ids
         self._prompt_tokens = len(prompt_ids)
         self._detokenizer = IncrementalDetokenizer(tokenizer)
-        self._stops = StopMatcher(stops)
+        self._rule = stop
+        self._stops = StopMatcher(stop.strings, stop.include)
+        self._stop_token_ids = frozenset(params.stop_token_ids)
+        self._text_length = 0  # characters the detokenizer has given so far
         self._usage = current_usage()  # the access log's record of the HTTP request, if any
         # raises ValueError (bad input) or RuntimeError (engine closed) before anything is queued
         self._stream: RequestStream = engine.submit(prompt_ids, params)
@@ -70,16 +101,22 @@ class Generation:
     def request_id(self) -> int:
         return self._stream.request_id
 
-    async def __aiter__(self) -> AsyncIterator[Chunk | Done]:
+    async def __aiter__(self) -> AsyncIterator[PromptScores | Chunk | Done]:
         ended = False
         timing = _Timing(self._started)
         try:
             async for event in self._stream:
-                if isinstance(event, TokenEvent):
+                if isinstance(event, PromptLogprobsEvent):
+                    yield self._prompt_scores(event)
+                elif isinstance(event, TokenEvent):
                     timing.token()
                     self._metrics.token(self._prompt_tokens if timing.count == 1 else 0)
-                    text = self._stops.push(self._detokenizer.push(event.token_id))
-                    yield Chunk(text, [TokenInfo(event.token_id, event.logprob, event.top_logprobs)])
+                    offset = self._text_length
+                    text = self._stops.push(
+                        self._token_text(event.token_id), timing.count >= self._rule.min_tokens
+                    )
+                    info = TokenInfo(event.token_id, event.logprob, event.top_logprobs, offset)
+                    yield Chunk(text, [info])
                     if self._stops.stopped:
                         self._engine.cancel(self.request_id)
                         ended = self._ended()
@@ -102,6 +139,20 @@ class Generation:
                 self._metrics.finished("cancelled")
             if self._usage is not None:
                 self._usage.record(self._prompt_tokens, timing.count, timing.ttft)
+
+    def _prompt_scores(self, event: PromptLogprobsEvent) -> PromptScores:
+        tops = event.top_logprobs or [None] * len(event.logprobs)
+        ids = self._prompt_ids[event.start : event.start + len(event.logprobs)]
+        return PromptScores(
+            [PromptToken(*scored) for scored in zip(ids, event.logprobs, event.ranks, tops, strict=True)]
+        )
+
+    def _token_text(self, token_id: int) -> str:
+        if token_id in self._stop_token_ids and not self._rule.include:
+            return ""  # a stop id ends the request (the scheduler sees to it) and is not shown
+        delta = self._detokenizer.push(token_id)
+        self._text_length += len(delta)
+        return delta
 
     def _ended(self) -> bool:
         self._cancel_if_dropped.detach()

@@ -1,24 +1,27 @@
-"""Generation output as OpenAI response bodies: whole responses and streamed chunks, for
-``text_completion`` and ``chat.completion``, with usage and logprobs."""
+"""Generation output as OpenAI response parts: each choice whole or as streamed chunks, for
+``text_completion`` (with echo and vLLM's prompt logprobs) and ``chat.completion``, with logprobs.
+``server.choices`` puts a request's choices into one response."""
 
 from __future__ import annotations
 
+import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
-from server.detokenizer import TextTokenizer
-from server.generation import Chunk, Done, Generation, TokenInfo
+from server.detokenizer import IncrementalDetokenizer, TextTokenizer
+from server.generation import Chunk, Done, Generation, PromptScores, PromptToken, TokenInfo
 from server.reasoning import ReasoningSplitter
+from server.tool_calls import ToolCallSplitter
 
 
-def usage(done: Done) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {
-        "prompt_tokens": done.prompt_tokens,
-        "completion_tokens": done.completion_tokens,
-        "total_tokens": done.prompt_tokens + done.completion_tokens,
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
     }
 
 
@@ -27,18 +30,38 @@ class Collected:
     text: str
     tokens: list[TokenInfo]
     done: Done
+    prompt: list[PromptToken] = field(default_factory=list)  # scored prompt tokens, when asked
 
 
 async def collect(generation: Generation) -> Collected:
     texts: list[str] = []
     tokens: list[TokenInfo] = []
+    prompt: list[PromptToken] = []
     async for item in generation:
-        if isinstance(item, Chunk):
+        if isinstance(item, PromptScores):
+            prompt += item.tokens
+        elif isinstance(item, Chunk):
             texts.append(item.text)
             tokens += item.tokens
         else:
-            return Collected("".join(texts), tokens, item)
+            return Collected("".join(texts), tokens, item, prompt)
     raise RuntimeError(f"request {generation.request_id} ended without a final event")
+
+
+def vllm_prompt_logprobs(
+    tokenizer: TextTokenizer, prompt_ids: list[int], scored: list[PromptToken]
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs``: None for the first token, then per token a dict keyed by token
+    id holding the token itself and the top N, each with its logprob, rank and text."""
+
+    def entry(logprob: float, rank: int, token_id: int) -> dict[str, Any]:
+        return {"logprob": logprob, "rank": rank, "decoded_token": tokenizer.token_text(token_id)}
+
+    out: list[dict[str, dict[str, Any]] | None] = [None]
+    for token_id, token in zip(prompt_ids[1:], scored, strict=True):
+        top = {str(i): entry(lp, rank, i) for rank, (i, lp) in enumerate(token.top_logprobs or [], start=1)}
+        out.append({str(token_id): entry(token.logprob, token.rank, token_id), **top})
+    return out
 
 
 @dataclass
@@ -49,7 +72,7 @@ class _Response:
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 
-    def _envelope(self, object_: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    def envelope(self, object_: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
             "id": self.id,
             "object": object_,
@@ -61,59 +84,93 @@ class _Response:
 
 @dataclass
 class CompletionFormat(_Response):
-    _offset: int = 0
+    echo: bool = False
+    want_prompt_logprobs: bool = False
+    object_: ClassVar[str] = "text_completion"
+    chunk_object: ClassVar[str] = "text_completion"
 
     def __post_init__(self) -> None:
         self.id = f"cmpl-{uuid.uuid4().hex}"
 
-    def _logprobs(self, tokens: list[TokenInfo]) -> dict[str, Any] | None:
+    def _top(self, token_id: int, logprob: float, top: list[tuple[int, float]] | None) -> dict[str, float]:
+        """vLLM's entry: the chosen token first, then the top N by text; two ids with one text
+        keep the first (so the chosen token's own logprob is never overwritten)."""
+        entry: dict[str, float] = {self.tokenizer.token_text(token_id): logprob}
+        for other, other_logprob in top or []:
+            entry.setdefault(self.tokenizer.token_text(other), other_logprob)
+        return entry
+
+    def _logprobs(self, tokens: list[TokenInfo], shift: int = 0) -> dict[str, Any] | None:
         if not self.want_logprobs:
             return None
-        out: dict[str, list[Any]] = {
-            "tokens": [],
-            "token_logprobs": [],
-            "top_logprobs": [],
-            "text_offset": [],
+        return {
+            "tokens": [self.tokenizer.token_text(t.token_id) for t in tokens],
+            "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": [
+                None if t.logprob is None else self._top(t.token_id, t.logprob, t.top_logprobs)
+                for t in tokens
+            ],
+            "text_offset": [shift + t.text_offset for t in tokens],
         }
-        for t in tokens:
-            text = self.tokenizer.token_text(t.token_id)
-            out["tokens"].append(text)
-            out["token_logprobs"].append(t.logprob)
-            out["top_logprobs"].append({self.tokenizer.token_text(i): lp for i, lp in t.top_logprobs or []})
-            out["text_offset"].append(self._offset)
-            self._offset += len(text)
-        return out
 
-    def response(self, result: Collected) -> dict[str, Any]:
-        choice = {
-            "index": 0,
-            "text": result.text,
-            "logprobs": self._logprobs(result.tokens),
+    def _echoed(self, prompt_ids: list[int], scored: list[PromptToken]) -> tuple[str, dict[str, Any] | None]:
+        """The prompt's text and, with logprobs, its tokens' entries (the first token has none)."""
+        detokenizer = IncrementalDetokenizer(self.tokenizer)
+        pieces = [detokenizer.push(token_id) for token_id in prompt_ids]
+        pieces[-1] += detokenizer.flush()
+        offsets = [0, *itertools.accumulate(len(piece) for piece in pieces)][:-1]
+        text = "".join(pieces)
+        if not self.want_logprobs:
+            return text, None
+        firsts: list[PromptToken | None] = [None, *scored]
+        return text, {
+            "tokens": [self.tokenizer.token_text(i) for i in prompt_ids],
+            "token_logprobs": [None if s is None else s.logprob for s in firsts],
+            "top_logprobs": [
+                None if s is None else self._top(i, s.logprob, s.top_logprobs)
+                for i, s in zip(prompt_ids, firsts, strict=True)
+            ],
+            "text_offset": offsets,
+        }
+
+    def choice(self, index: int, prompt_ids: list[int], result: Collected) -> dict[str, Any]:
+        prompt_text, prompt_logprobs = self._echoed(prompt_ids, result.prompt) if self.echo else ("", None)
+        logprobs = self._logprobs(result.tokens, shift=len(prompt_text))
+        if prompt_logprobs is not None and logprobs is not None:
+            logprobs = {key: prompt_logprobs[key] + logprobs[key] for key in logprobs}
+        choice: dict[str, Any] = {
+            "index": index,
+            "text": prompt_text + result.text,
+            "logprobs": logprobs,
             "finish_reason": result.done.finish_reason,
         }
-        return {**self._envelope("text_completion", [choice]), "usage": usage(result.done)}
+        if self.want_prompt_logprobs:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(self.tokenizer, prompt_ids, result.prompt)
+        return choice
 
-    async def stream(self, generation: Generation, include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+    async def stream_choice(self, index: int, generation: Generation) -> AsyncIterator[dict[str, Any] | Done]:
+        """The choice's chunks (``index`` in each), then its Done."""
         async for item in generation:
             if isinstance(item, Chunk):
                 if item.text or item.tokens:
-                    choice = {
-                        "index": 0,
+                    yield {
+                        "index": index,
                         "text": item.text,
                         "logprobs": self._logprobs(item.tokens),
                         "finish_reason": None,
                     }
-                    yield self._envelope("text_completion", [choice])
-                continue
-            final = {"index": 0, "text": "", "logprobs": None, "finish_reason": item.finish_reason}
-            yield self._envelope("text_completion", [final])
-            if include_usage:
-                yield {**self._envelope("text_completion", []), "usage": usage(item)}
+            elif isinstance(item, Done):
+                yield {"index": index, "text": "", "logprobs": None, "finish_reason": item.finish_reason}
+                yield item
 
 
 @dataclass
 class ChatFormat(_Response):
     starts_in_reasoning: bool = False
+    parses_tool_calls: bool = False  # the request offered tools: the reply's <tool_call> blocks are calls
+    parallel_tool_calls: bool = True
+    object_: ClassVar[str] = "chat.completion"
+    chunk_object: ClassVar[str] = "chat.completion.chunk"
 
     def __post_init__(self) -> None:
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -136,26 +193,35 @@ class ChatFormat(_Response):
             ]
         }
 
-    def response(self, result: Collected) -> dict[str, Any]:
+    def _finish(self, reason: str, calls: int) -> str:
+        return "tool_calls" if calls and reason == "stop" else reason
+
+    def _tool_calls(self, calls: list[dict[str, Any]], already: int = 0) -> list[dict[str, Any]]:
+        """The calls to return (only the first of the reply without ``parallel_tool_calls``)."""
+        return calls if self.parallel_tool_calls else calls[: max(0, 1 - already)]
+
+    def choice(self, index: int, prompt_ids: list[int], result: Collected) -> dict[str, Any]:
         splitter = ReasoningSplitter(self.starts_in_reasoning)
         reasoning, content = splitter.push(result.text)
         more_reasoning, more_content = splitter.flush()
-        message: dict[str, Any] = {"role": "assistant", "content": content + more_content}
+        content += more_content
+        calls: list[dict[str, Any]] = []
+        if self.parses_tool_calls:
+            tools = ToolCallSplitter()
+            content, found = tools.push(content)
+            content += tools.flush()
+            calls = self._tool_calls(found)
+        message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
+        if calls:
+            message["tool_calls"] = calls
         if reasoning + more_reasoning:
             message["reasoning_content"] = reasoning + more_reasoning
-        choice = {
-            "index": 0,
+        return {
+            "index": index,
             "message": message,
             "logprobs": self._logprobs(result.tokens),
-            "finish_reason": result.done.finish_reason,
+            "finish_reason": self._finish(result.done.finish_reason, len(calls)),
         }
-        return {**self._envelope("chat.completion", [choice]), "usage": usage(result.done)}
-
-    def _chunk(
-        self, delta: dict[str, Any], logprobs: Any = None, finish: str | None = None
-    ) -> dict[str, Any]:
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        return self._envelope("chat.completion.chunk", [choice])
 
     @staticmethod
     def _delta(reasoning: str, content: str) -> dict[str, str]:
@@ -166,15 +232,35 @@ class ChatFormat(_Response):
             delta["content"] = content
         return delta
 
-    async def stream(self, generation: Generation, include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+    async def stream_choice(self, index: int, generation: Generation) -> AsyncIterator[dict[str, Any] | Done]:
+        """The choice's chunks (``index`` in each), then its Done."""
+
+        def chunk(delta: dict[str, Any], logprobs: Any = None, finish: str | None = None) -> dict[str, Any]:
+            return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+
         splitter = ReasoningSplitter(self.starts_in_reasoning)
-        yield self._chunk({"role": "assistant", "content": ""})
+        tools = ToolCallSplitter() if self.parses_tool_calls else None
+        sent = 0  # tool calls streamed so far
+
+        def delta(reasoning: str, content: str, end: bool = False) -> dict[str, Any]:
+            nonlocal sent
+            if tools is None:
+                return self._delta(reasoning, content)
+            content, found = tools.push(content)
+            content += tools.flush() if end else ""
+            out: dict[str, Any] = self._delta(reasoning, content)
+            calls = self._tool_calls(found, sent)
+            if calls:
+                out["tool_calls"] = [{"index": sent + i, **call} for i, call in enumerate(calls)]
+                sent += len(calls)
+            return out
+
+        yield chunk({"role": "assistant", "content": ""})
         async for item in generation:
             if isinstance(item, Chunk):
-                delta = self._delta(*splitter.push(item.text))
-                if delta or (item.tokens and self.want_logprobs):
-                    yield self._chunk(delta, self._logprobs(item.tokens))
-                continue
-            yield self._chunk(self._delta(*splitter.flush()), finish=item.finish_reason)
-            if include_usage:
-                yield {**self._envelope("chat.completion.chunk", []), "usage": usage(item)}
+                piece = delta(*splitter.push(item.text))
+                if piece or (item.tokens and self.want_logprobs):
+                    yield chunk(piece, self._logprobs(item.tokens))
+            elif isinstance(item, Done):
+                yield chunk(delta(*splitter.flush(), end=True), finish=self._finish(item.finish_reason, sent))
+                yield item

@@ -10,9 +10,10 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from server.choices import Choice, response, stream
 from server.errors import ApiError, error_body
-from server.generation import Generation, GenerationError
-from server.openai_format import ChatFormat, Collected, CompletionFormat, collect
+from server.generation import GenerationError
+from server.openai_format import ChatFormat, Collected, CompletionFormat, collect, vllm_prompt_logprobs
 from server.reasoning import ReasoningSplitter
 from server.schemas import ChatCompletionRequest, CompletionRequest
 from server.service import ServerState
@@ -39,29 +40,51 @@ async def metrics(request: Request) -> Response:
     return Response(_state(request).metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
-@router.get("/v1/models")
-async def models(request: Request) -> dict[str, Any]:
-    state = _state(request)
-    model = {
+def _model_card(state: ServerState) -> dict[str, Any]:
+    return {
         "id": state.model_name,
         "object": "model",
         "created": 0,
         "owned_by": "phalanx",
         "max_model_len": state.max_context,
     }
-    return {"object": "list", "data": [model]}
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> dict[str, Any]:
+    return {"object": "list", "data": [_model_card(_state(request))]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model(model_id: str, request: Request) -> dict[str, Any]:
+    state = _state(request)
+    if model_id != state.model_name:
+        raise ApiError(
+            404,
+            f"model {model_id!r} does not exist here; this server serves {state.model_name!r}",
+            "not_found_error",
+            param="model",
+            code="model_not_found",
+        )
+    return _model_card(state)
 
 
 @router.post("/v1/completions", response_model=None)
 async def completions(body: CompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
     state = _state(request)
     state.check_model(body.model)
-    prompt_ids = state.completion_prompt_ids(body.prompt)
-    generation = state.start(prompt_ids, body, body.max_tokens, body.logprobs)
-    fmt = CompletionFormat(state.tokenizer, state.model_name, want_logprobs=body.logprobs is not None)
+    prompts = [state.completion_prompt_ids(prompt) for prompt in body.prompts]
+    choices = state.start_choices(prompts, body, body.max_tokens, body.logprobs, body.prompt_top_logprobs)
+    fmt = CompletionFormat(
+        state.tokenizer,
+        state.model_name,
+        want_logprobs=body.logprobs is not None,
+        echo=body.echo,
+        want_prompt_logprobs=body.prompt_logprobs is not None,
+    )
     if body.stream:
-        return _sse(fmt.stream(generation, body.include_usage))
-    return JSONResponse(fmt.response(await _collect_unless_gone(generation, request)))
+        return _sse(stream(fmt, choices, body.include_usage))
+    return JSONResponse(response(fmt, choices, await _collect_unless_gone(choices, request)))
 
 
 @router.post("/v1/chat/completions", response_model=None)
@@ -69,21 +92,30 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSO
     state = _state(request)
     state.check_model(body.model)
     prompt_text, prompt_ids = state.chat_prompt(body)
-    generation = state.start(prompt_ids, body, body.requested_max_tokens, body.logprobs_count)
+    choices = state.start_choices(
+        [prompt_ids], body, body.requested_max_tokens, body.logprobs_count, body.prompt_logprobs
+    )
     fmt = ChatFormat(
         state.tokenizer,
         state.model_name,
         want_logprobs=body.logprobs,
         starts_in_reasoning=ReasoningSplitter.prompt_opens_reasoning(prompt_text),
+        parses_tool_calls=body.parses_tool_calls,
+        parallel_tool_calls=body.parallel_tool_calls,
     )
     if body.stream:
-        return _sse(fmt.stream(generation, body.include_usage))
-    return JSONResponse(fmt.response(await _collect_unless_gone(generation, request)))
+        return _sse(stream(fmt, choices, body.include_usage))
+    results = await _collect_unless_gone(choices, request)
+    whole = response(fmt, choices, results)
+    if body.prompt_logprobs is not None:  # vLLM answers them beside the choices
+        whole["prompt_logprobs"] = vllm_prompt_logprobs(state.tokenizer, prompt_ids, results[0].prompt)
+    return JSONResponse(whole)
 
 
-async def _collect_unless_gone(generation: Generation, request: Request) -> Collected:
-    """The whole generation; cancelled (freeing its slot and pages) if the client disconnects."""
-    task = asyncio.ensure_future(collect(generation))
+async def _collect_unless_gone(choices: list[Choice], request: Request) -> list[Collected]:
+    """Every choice's whole generation; all cancelled (freeing their slots and pages) if the
+    client disconnects."""
+    task = asyncio.ensure_future(asyncio.gather(*(collect(choice.generation) for choice in choices)))
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
@@ -92,7 +124,7 @@ async def _collect_unless_gone(generation: Generation, request: Request) -> Coll
             if await request.is_disconnected():
                 task.cancel()
                 raise ApiError(499, "client disconnected", "client_closed_request")
-        return task.result()
+        return list(task.result())
     except GenerationError as e:
         poisoned = _state(request).engine.poison_reason is not None
         raise ApiError(503 if poisoned else 500, str(e), "server_error") from e

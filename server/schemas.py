@@ -1,7 +1,8 @@
 """Request bodies of the OpenAI-compatible endpoints, validated by pydantic (FastAPI's own models).
 
 Anything that fails validation is answered with 400 and an OpenAI-style error body (server.app).
-Unknown fields are ignored, as OpenAI clients send optional fields this server does not use.
+A field this server does not know is refused with a 400 naming it, never accepted and ignored:
+it could change the output (a sampling extra, a response format) without the client noticing.
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on one bias
+MAX_PROMPTS = 1024  # prompts in one completions request
+STRUCTURED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice")
 
 
 class StreamOptions(BaseModel):
@@ -21,7 +25,7 @@ class StreamOptions(BaseModel):
 class SamplingRequest(BaseModel):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -33,12 +37,24 @@ class SamplingRequest(BaseModel):
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(default=1, ge=1, le=1, description="one choice per request")
+    n: int = Field(default=1, ge=1, description="choices per prompt (at most the engine's decode slots)")
     # accepted only at their neutral values: silently ignoring them would change results unseen
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[str, float] | None = None
+    # vLLM's sampling extras
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    min_tokens: int = Field(default=0, ge=0)
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    user: str | None = None  # OpenAI's end-user id: recorded by no one, changes nothing
+    # structured output (server/structured.py): at most one of these
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
 
     @model_validator(mode="after")
     def _unsupported(self) -> SamplingRequest:
@@ -46,9 +62,28 @@ class SamplingRequest(BaseModel):
         for name, value in neutral.items():
             if getattr(self, name) != value:
                 raise ValueError(f"{name} is not supported (only {value})")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
+        if self.stream and self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported with stream")
+        constraints = [name for name in STRUCTURED_FIELDS if getattr(self, name) is not None]
+        if len(constraints) > 1:
+            raise ValueError(f"{constraints[1]} cannot be combined with {constraints[0]}")
+        if constraints and self.min_tokens:
+            raise ValueError(f"min_tokens is not supported with {constraints[0]}")
         return self
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_biases(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"keys must be token ids, got {key!r}")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"bias of token {key} must be in [-100, 100], got {bias}")
+        return value
+
+    @property
+    def token_biases(self) -> dict[int, float] | None:
+        return {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None
 
     @field_validator("stop")
     @classmethod
@@ -73,18 +108,36 @@ class CompletionRequest(SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    echo: Literal[False] = False
+    echo: bool = False
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, value: Any) -> str | list[int]:
-        if isinstance(value, list) and value and isinstance(value[0], str | list):
-            if len(value) != 1:
-                raise ValueError(f"one prompt per request is supported, got {len(value)}")
-            value = value[0]
-        if not value:
-            raise ValueError("the prompt is empty")
-        return value
+    def _prompts(cls, value: Any) -> list[str] | list[list[int]]:
+        """A list of prompts, each a string or token ids."""
+        batched = isinstance(value, list) and bool(value) and isinstance(value[0], str | list)
+        prompts = value if batched else [value]
+        if len(prompts) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}")
+        for index, prompt in enumerate(prompts):
+            if not prompt:
+                raise ValueError("the prompt is empty" if not batched else f"prompt {index} is empty")
+        return prompts
+
+    @model_validator(mode="after")
+    def _echo_whole(self) -> CompletionRequest:
+        if self.stream and self.echo:
+            raise ValueError("echo is not supported with stream")
+        return self
+
+    @property
+    def prompts(self) -> list[str] | list[list[int]]:
+        return self.prompt  # type: ignore[return-value]  # the validator made it a list
+
+    @property
+    def prompt_top_logprobs(self) -> int | None:
+        """Top-N prompt logprobs to ask the engine for: vLLM's prompt_logprobs, and echo's."""
+        asked = [n for n in (self.prompt_logprobs, self.logprobs if self.echo else None) if n is not None]
+        return max(asked, default=None)
 
 
 class TextPart(BaseModel):
@@ -114,7 +167,22 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None  # handed to the chat template; replies are not parsed
+    tools: list[dict[str, Any]] | None = None  # handed to the chat template; replies parsed for calls
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True  # False: at most the first call is returned
+
+    @model_validator(mode="after")
+    def _tool_choice(self) -> ChatCompletionRequest:
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        constraints = [name for name in STRUCTURED_FIELDS if getattr(self, name) is not None]
+        if self.tool_choice not in (None, "none", "auto") and constraints:
+            raise ValueError(f"a tool_choice that demands a call cannot be combined with {constraints[0]}")
+        return self
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
 
     @property
     def requested_max_tokens(self) -> int | None:

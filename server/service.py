@@ -3,16 +3,26 @@ and turning a request into a started Generation (prompt ids, context check, samp
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from dataclasses import dataclass
 from typing import Any
 
 from executor.engine import Engine, GenerationParams
 from server.chat_template import ChatTemplate, ChatTemplateError
+from server.choices import Choice
 from server.detokenizer import TextTokenizer
 from server.errors import bad_request, unavailable
-from server.generation import Generation
+from server.generation import Generation, StopRule
 from server.metrics import ServerMetrics
 from server.schemas import ChatCompletionRequest, SamplingRequest
+from server.structured import (
+    GrammarCheck,
+    guided_grammar,
+    response_format_grammar,
+    tool_call_grammar,
+    tool_names,
+)
 
 
 @dataclass
@@ -22,6 +32,7 @@ class ServerState:
     template: ChatTemplate | None
     metrics: ServerMetrics
     model_name: str
+    grammar_check: GrammarCheck
     default_max_tokens: int | None = None  # None: whatever the context leaves (OpenAI's chat default)
 
     @property
@@ -36,6 +47,37 @@ class ServerState:
                 code="model_not_found",
             )
 
+    def start_choices(
+        self,
+        prompts: list[list[int]],
+        body: SamplingRequest,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+    ) -> list[Choice]:
+        """One started generation per prompt and sample; if one is refused, those started are
+        cancelled and the refusal stands for the whole request."""
+        slots = self.engine.stats().slots_total
+        if body.n > slots:
+            raise bad_request(
+                f"n is {body.n}, but this server runs at most {slots} sequences at once", param="n"
+            )
+        grammar = output_grammar(body, self.grammar_check)
+        choices: list[Choice] = []
+        try:
+            for p, prompt_ids in enumerate(prompts):
+                for sample in range(body.n):
+                    seed = derived_seed(body.seed, sample)
+                    generation = self.start(
+                        prompt_ids, body, max_tokens, logprobs, seed, prompt_logprobs, grammar
+                    )
+                    choices.append(Choice(p * body.n + sample, prompt_ids, generation, sample == 0))
+        except BaseException:
+            for choice in choices:
+                self.engine.cancel(choice.generation.request_id)
+            raise
+        return choices
+
     def completion_prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special_tokens=True)
@@ -49,6 +91,7 @@ class ServerState:
             text = self.template.render(
                 messages,
                 add_generation_prompt=body.add_generation_prompt,
+                tools=body.tools,
                 **(body.chat_template_kwargs or {}),
             )
         except ChatTemplateError as e:
@@ -57,7 +100,14 @@ class ServerState:
         return text, self.tokenizer.encode(text, add_special_tokens=False)
 
     def start(
-        self, prompt_ids: list[int], body: SamplingRequest, max_tokens: int | None, logprobs: int | None
+        self,
+        prompt_ids: list[int],
+        body: SamplingRequest,
+        max_tokens: int | None,
+        logprobs: int | None,
+        seed: int | None,
+        prompt_logprobs: int | None,
+        grammar: str | None,
     ) -> Generation:
         if self.engine.poison_reason is not None:
             raise unavailable(f"engine is poisoned: {self.engine.poison_reason}")
@@ -85,15 +135,50 @@ class ServerState:
             temperature=body.temperature,
             top_p=body.top_p,
             top_k=max(body.top_k, 0),
-            seed=body.seed,
+            seed=seed,
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
+            min_p=body.min_p,
+            logit_bias=body.token_biases,
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            min_tokens=body.min_tokens,
+            prompt_logprobs=prompt_logprobs,
+            grammar=grammar,
         )
+        stops = StopRule(body.stop_strings, body.include_stop_str_in_output, body.min_tokens)
         try:
-            return Generation(
-                self.engine, self.tokenizer, self.metrics, prompt_ids, params, body.stop_strings
-            )
+            return Generation(self.engine, self.tokenizer, self.metrics, prompt_ids, params, stops)
         except ValueError as e:
             raise bad_request(str(e)) from e
         except RuntimeError as e:  # the engine closed between the check above and submit
             raise unavailable(str(e)) from e
+
+
+def output_grammar(body: SamplingRequest, check: GrammarCheck) -> str | None:
+    """The grammar the request's output must follow: a tool call its tool_choice demands, or its
+    response format or guided decoding; None when nothing constrains it."""
+    if isinstance(body, ChatCompletionRequest) and body.tools:
+        names = tool_names(body.tools)
+        choice = body.tool_choice
+        if isinstance(choice, dict):
+            name = (choice.get("function") or {}).get("name")
+            if choice.get("type") != "function" or name not in names:
+                raise bad_request(
+                    f"tool_choice: no tool named {name!r} among the tools offered ({', '.join(names)})",
+                    param="tool_choice",
+                )
+            return tool_call_grammar(body.tools, [name], check)
+        if choice == "required":
+            return tool_call_grammar(body.tools, names, check)
+    if body.response_format is not None:
+        return response_format_grammar(body.response_format, check)
+    return guided_grammar(body.guided_json, body.guided_regex, body.guided_choice, check)
+
+
+def derived_seed(seed: int | None, sample: int) -> int | None:
+    """Sample 0 keeps the request's seed (n = 1 matches a plain request); sample i > 0 draws from
+    a seed derived from (seed, i), so each of n choices is reproducible and they differ."""
+    if seed is None or sample == 0:
+        return seed
+    digest = hashlib.blake2b(struct.pack("<qq", seed, sample), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1

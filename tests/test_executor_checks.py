@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from msgspec.structs import replace
 
 from executor.checks import check_decode, check_drop, check_prefill, check_unified
 from executor.errors import StepRejected
@@ -62,6 +63,22 @@ def _row(
         (
             [_chunk(1, [1], feed_slot=1), _chunk(2, [1], feed_slot=1)],
             "^prefill has two chunks feeding slot 1$",
+        ),
+        (
+            [replace(_chunk(1, [1], last=False), prompt_logprobs=1)],
+            "^prefill chunk for request 1 has next_token -1 but last=False$",
+        ),
+        (
+            [replace(_chunk(1, [1], last=False), prompt_logprobs=21, next_token=3)],
+            r"^prefill chunk for request 1 asks for 21 prompt top logprobs \(0..20\)$",
+        ),
+        (
+            [replace(_chunk(1, [1]), next_token=100)],
+            "^prefill chunk for request 1 has next_token 100 outside 0..99$",
+        ),
+        (
+            [replace(_chunk(1, [1], last=False), grammar="start: /a/")],
+            "^prefill chunk for request 1 carries a grammar but is not its prompt's last chunk$",
         ),
     ],
 )

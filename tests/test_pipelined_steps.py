@@ -58,7 +58,7 @@ def _generate(rank: StepRunner, pipelined: bool) -> dict[int, list[int]]:
     moves into its slot. Pipelined: each step is launched before the one ahead is read, except
     the first after the drop, which feeds the tokens read before it."""
     chunks = [PrefillChunk(r, pack_ids(p), 0, _pages(r), True) for r, p in enumerate(PROMPTS)]
-    tokens = {result.request_id: [result.token] for result in rank.prefill(chunks)}
+    tokens = {result.request_id: [result.token] for result in rank.prefill(chunks).results}
     slot_of = {r: r for r in range(len(PROMPTS))}
     ahead = None
     for step in range(STEPS):

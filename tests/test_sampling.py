@@ -7,6 +7,7 @@ from collections import Counter
 
 import pytest
 import torch
+from msgspec.structs import replace
 
 from protocol.messages import SamplingParams
 from worker.errors import WorkerStateError
@@ -91,6 +92,36 @@ def test_logprobs_are_those_of_the_raw_distribution() -> None:
     assert [(s.logprob, s.top_ids, s.top_logprobs) for s in plain] == [(None, None, None)] * 2
 
 
+def test_min_p_keeps_tokens_near_the_most_likely_one() -> None:
+    # probabilities ~ [0.46, 0.31, 0.17, 0.06]: min_p 0.5 keeps those at least 0.23
+    logits = torch.tensor([[2.0, 1.6, 1.0, 0.0]])
+    seen = {tokens(logits, [SamplingParams(temperature=1.0, min_p=0.5, seed=s)], [0])[0] for s in range(400)}
+    assert seen == {0, 1}
+    assert len({tokens(logits, [SamplingParams(temperature=1.0, seed=s)], [0])[0] for s in range(400)}) == 4
+
+
+def test_logit_bias_steers_greedy_and_drawn_rows_but_not_the_reported_logprobs() -> None:
+    logits = torch.tensor([[0.0, 5.0, 1.0, 2.0]])
+    biased = SamplingParams(logit_bias={2: 100.0}, logprobs=1)
+    (pick,) = sample(logits, [biased], [0])
+    assert pick.token == 2
+    assert pick.logprob == pytest.approx(torch.log_softmax(logits, -1)[0, 2].item())
+    assert pick.top_ids == [1]
+    banned_most_likely = SamplingParams(temperature=1.0, seed=3, logit_bias={1: -100.0})
+    assert {tokens(logits, [replace(banned_most_likely, seed=s)], [0])[0] for s in range(200)} <= {0, 2, 3}
+    # a graph's argmax (token 1) is not taken for a row whose bias changes the pick
+    drawn = draw_tokens(logits, [biased], [0], greedy=torch.tensor([1]))
+    assert drawn.to_host()[0].token == 2
+
+
+def test_banned_ids_are_out_only_below_their_position() -> None:
+    logits = torch.tensor([[0.0, 9.0, 1.0]])
+    params = SamplingParams(banned_ids=[1], banned_until=5)
+    assert tokens(logits.expand(3, -1), [params] * 3, [3, 4, 5]) == [2, 2, 1]
+    seeded = SamplingParams(temperature=1.0, seed=1, banned_ids=[1, 2], banned_until=1)
+    assert tokens(logits, [seeded], [0]) == [0]
+
+
 def test_bad_shapes_and_parameters_are_refused() -> None:
     with pytest.raises(ValueError, match=r"sampling got 2 logit rows but 1 parameter sets and 2 positions"):
         sample(torch.zeros(2, 4), [GREEDY], [0, 1])
@@ -98,6 +129,10 @@ def test_bad_shapes_and_parameters_are_refused() -> None:
         sample(torch.zeros(4), [GREEDY], [0])
     with pytest.raises(ValueError, match="invalid sampling parameters for row 0"):
         sample(torch.zeros(1, 4), [SamplingParams(top_p=0.0)], [0])
+    with pytest.raises(ValueError, match="invalid sampling parameters for row 0"):
+        sample(torch.zeros(1, 4), [SamplingParams(min_p=1.5)], [0])
+    with pytest.raises(ValueError, match=r"sampling row 0 names token id 4 outside the vocabulary \[0, 4\)"):
+        sample(torch.zeros(1, 4), [SamplingParams(logit_bias={4: 1.0})], [0])
     assert sample(torch.zeros(0, 4), [], []) == []
 
 

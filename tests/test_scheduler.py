@@ -171,6 +171,32 @@ def test_eos_stops_unless_ignored(pipeline: bool) -> None:
     assert stopped.finish.completion_tokens == 2
 
 
+@pipelined
+def test_stop_token_ids_stop_even_when_eos_is_ignored(pipeline: bool) -> None:
+    ranks, sched = make()
+    _, probe = submit(sched, [5, 6, 7], max_tokens=4, ignore_eos=True)
+    run(sched)
+    ranks, sched = make(pipeline=pipeline)
+    _, stopped = submit(sched, [5, 6, 7], max_tokens=4, ignore_eos=True, stop_token_ids=(probe.tokens[2],))
+    run(sched)
+    assert stopped.tokens == probe.tokens[:3] and stopped.finish.reason == "stop"
+
+
+def test_min_tokens_bans_the_ending_ids_up_to_the_last_required_position() -> None:
+    params = GenerationParams(max_tokens=8, min_tokens=3, stop_token_ids=(9, 4))
+    sampling = params.sampling(5, eos_token_ids=(63,))
+    assert (sampling.banned_ids, sampling.banned_until) == ([4, 9, 63], 8)
+    ignoring = GenerationParams(max_tokens=8, min_tokens=3, ignore_eos=True).sampling(5, (63,))
+    assert (ignoring.banned_ids, ignoring.banned_until) == (None, 0)
+    assert GenerationParams(max_tokens=8).sampling(5, (63,)).banned_ids is None
+    with pytest.raises(ValueError, match=r"min_tokens must be an integer in \[0, max_tokens\], got 9"):
+        GenerationParams(max_tokens=8, min_tokens=9).validate(64)
+    with pytest.raises(ValueError, match=r"stop_token_ids: token id 64 is outside the vocabulary \[0, 64\)"):
+        GenerationParams(stop_token_ids=(64,)).validate(64)
+    with pytest.raises(ValueError, match=r"logit_bias: token id -1 is outside the vocabulary"):
+        GenerationParams(logit_bias={-1: 2.0}).validate(64)
+
+
 def test_request_finishing_at_prefill_is_dropped_from_staging() -> None:
     ranks, sched = make()
     request, sink = submit(sched, [1, 2, 3], max_tokens=1)
@@ -480,10 +506,10 @@ def test_dense_slots_and_page_pool_bookkeeping() -> None:
 def test_the_coordinator_seeds_every_request_that_samples() -> None:
     """Sampling with no seed given still sends one in the commands (drawn per request), so rank 0's
     draws follow from the trace; a given seed is kept, and greedy requests carry none."""
-    drawn = [GenerationParams(temperature=0.8).sampling().seed for _ in range(4)]
+    drawn = [GenerationParams(temperature=0.8).sampling(1).seed for _ in range(4)]
     assert all(isinstance(seed, int) and 0 <= seed < 1 << 63 for seed in drawn)
     assert len(set(drawn)) == 4
-    assert GenerationParams(temperature=0.8, seed=-5).sampling().seed == -5
-    assert GenerationParams(temperature=0.0).sampling().seed is None
+    assert GenerationParams(temperature=0.8, seed=-5).sampling(1).seed == -5
+    assert GenerationParams(temperature=0.0).sampling(1).seed is None
     request = Request(1, [1, 2], GenerationParams(temperature=1.0), emit=lambda _event: None)
     assert request.sampling.seed is not None  # drawn once, when the request is admitted

@@ -176,7 +176,11 @@ def test_eight_concurrent_streams(base_url: str) -> None:
         ("/v1/completions", {"model": "tiny", "prompt": [1, 999999]}, "outside the vocabulary"),
         ("/v1/completions", {"model": "tiny", "prompt": "hi", "temperature": -1}, "temperature"),
         ("/v1/completions", {"model": "tiny", "prompt": "hi", "frequency_penalty": 0.5}, "not supported"),
-        ("/v1/completions", {"model": "tiny", "prompt": "hi", "n": 2}, "n"),
+        (
+            "/v1/completions",
+            {"model": "tiny", "prompt": "hi", "n": 9},
+            "n is 9, but this server runs at most 8",
+        ),
         ("/v1/chat/completions", {"model": "tiny", "messages": []}, "messages"),
         ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}, "role"),
     ],

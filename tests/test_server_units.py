@@ -23,10 +23,11 @@ from protocol.messages import Capacity
 from server.app import create_app
 from server.chat_template import ChatTemplate, ChatTemplateError
 from server.detokenizer import IncrementalDetokenizer, StopMatcher, TextTokenizer
-from server.generation import Chunk, Done, Generation
+from server.generation import Chunk, Done, Generation, StopRule
 from server.metrics import ServerMetrics
 from server.openai_format import ChatFormat, Collected
 from server.reasoning import ReasoningSplitter
+from server.tool_calls import ToolCallSplitter
 
 # A Qwen-style template: system prompt first, tool messages, reasoning kept only in the last
 # turn, a thinking switch, and the template's own raise_exception.
@@ -143,6 +144,15 @@ def test_stop_matcher_across_deltas(step: int) -> None:
     matcher = StopMatcher(["never"])
     out = [matcher.push(text[i : i + step]) for i in range(0, len(text), step)] + [matcher.flush()]
     assert "".join(out) == text and not matcher.stopped
+    matcher = StopMatcher(["zeta", "STOP"], include=True)
+    out = [matcher.push(text[i : i + step]) for i in range(0, len(text), step)] + [matcher.flush()]
+    assert "".join(out) == "alpha beta STOP" and matcher.stopped
+
+
+def test_an_unarmed_stop_matcher_lets_stop_strings_through() -> None:
+    matcher = StopMatcher(["ab"])
+    assert matcher.push("xab", armed=False) == "xa"
+    assert matcher.push("yab") == "by" and matcher.stopped
 
 
 @pytest.mark.parametrize("step", [1, 3, 100])
@@ -219,7 +229,7 @@ def test_a_generation_dropped_before_it_is_read_is_cancelled(tiny_model_dir: Pat
         metrics = ServerMetrics(engine.stats, lambda: False)
         tokenizer = TextTokenizer.from_model_dir(tiny_model_dir)
         params = GenerationParams(max_tokens=400, ignore_eos=True)
-        generation = Generation(engine, tokenizer, metrics, [5, 6, 7], params, [])
+        generation = Generation(engine, tokenizer, metrics, [5, 6, 7], params, StopRule())
         _wait(lambda: engine.stats().slots_used == 1)
         del generation
         gc.collect()
@@ -248,19 +258,69 @@ def test_chat_format_separates_reasoning_streamed_and_whole(tiny_model_dir: Path
 
     async def stream() -> list[dict]:
         fmt = ChatFormat(tokenizer, "tiny", want_logprobs=False, starts_in_reasoning=True)
-        return [chunk async for chunk in fmt.stream(generation(), include_usage=True)]  # type: ignore[arg-type]
+        return [chunk async for chunk in fmt.stream_choice(0, generation())]  # type: ignore[arg-type]
 
     chunks = asyncio.run(stream())
-    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    deltas = [c["delta"] for c in chunks[:-1]]
     assert "".join(d.get("reasoning_content", "") for d in deltas) == "weigh it"
     assert "".join(d.get("content", "") for d in deltas) == "Answer: B"
-    assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
-    assert chunks[-1]["usage"] == {"prompt_tokens": 7, "completion_tokens": 4, "total_tokens": 11}
+    assert chunks[-2]["finish_reason"] == "stop" and chunks[-1] == done
 
     fmt = ChatFormat(tokenizer, "tiny", want_logprobs=False, starts_in_reasoning=True)
-    whole = fmt.response(Collected("".join(pieces), [], done))
-    assert whole["choices"][0]["message"] == {
+    whole = fmt.choice(0, [1, 2], Collected("".join(pieces), [], done))
+    assert whole["message"] == {
         "role": "assistant",
         "content": "Answer: B",
         "reasoning_content": "weigh it",
     }
+
+
+@pytest.mark.parametrize("step", [1, 4, 1000])
+def test_tool_call_splitter_across_deltas(step: int) -> None:
+    text = 'Sure. <tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call><tool_call>{bad}</tool_call> <tool'
+    splitter = ToolCallSplitter()
+    content, calls = [], []
+    for i in range(0, len(text), step):
+        shown, found = splitter.push(text[i : i + step])
+        content.append(shown)
+        calls += found
+    content.append(splitter.flush())
+    assert "".join(content) == "Sure. <tool_call>{bad}</tool_call> <tool"
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("f", {"x": 1})
+    ]
+
+
+def test_chat_choice_keeps_only_the_first_call_without_parallel_tool_calls(tiny_model_dir: Path) -> None:
+    tokenizer = TextTokenizer.from_model_dir(tiny_model_dir)
+    call = '<tool_call>{"name": "%s", "arguments": {}}</tool_call>'
+    result = Collected(call % "a" + call % "b", [], Done("stop", 3, 9))
+    fmt = ChatFormat(
+        tokenizer, "tiny", want_logprobs=False, parses_tool_calls=True, parallel_tool_calls=False
+    )
+    choice = fmt.choice(0, [1], result)
+    assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["a"]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+
+
+def test_an_unexpected_server_failure_is_a_500_in_openai_shape(tiny_model_dir: Path) -> None:
+    engine = Engine(PoisonableRanks(), tiny_model_dir)
+    try:
+        app = create_app(engine, tiny_model_dir, "tiny")
+
+        def broken() -> None:  # the injected fault: a handler that fails
+            raise RuntimeError("injected")
+
+        app.add_api_route("/v1/broken", broken)
+        with TestClient(app, raise_server_exceptions=False) as http:
+            response = http.get("/v1/broken")
+            assert response.status_code == 500
+            assert response.json()["error"] == {
+                "message": "internal error in GET /v1/broken: RuntimeError: injected",
+                "type": "server_error",
+                "param": None,
+                "code": None,
+            }
+            assert http.get("/health").status_code == 200
+    finally:
+        engine.shutdown()

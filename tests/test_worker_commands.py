@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.qwen35 import Qwen35Model
+from models.qwen35 import PrefillBatch, Qwen35Model
 from protocol import PROTOCOL_VERSION, decode_reply, encode
 from protocol.messages import (
     FED_TOKEN,
@@ -65,14 +65,14 @@ def _row(request_id: int, slot: int, position: int, pages: list[int], token: int
 def test_phase_and_position_checks(runner: StepRunner) -> None:
     with pytest.raises(WorkerStateError, match="^decode request 5 has no worker state$"):
         runner.decode([_row(5, 0, 0, [0])])
-    assert runner.prefill([_chunk(1, [4, 5, 6], 0, [0], last=False)]) == []
+    assert runner.prefill([_chunk(1, [4, 5, 6], 0, [0], last=False)]).results == []
     with pytest.raises(WorkerStateError, match="^request 1 is not ready for decode$"):
         runner.decode([_row(1, 0, 3, [0])])
     with pytest.raises(
         WorkerStateError, match="^prefill chunk for request 1 starts at 2 but 3 tokens are cached$"
     ):
         runner.prefill([_chunk(1, [7], 2, [0])])
-    (result,) = runner.prefill([_chunk(1, [7, 8], 3, [0, 1])])
+    (result,) = runner.prefill([_chunk(1, [7, 8], 3, [0, 1])]).results
     assert result.request_id == 1
     with pytest.raises(WorkerStateError, match="^request 1 is already in prefilled state$"):
         runner.prefill([_chunk(1, [9], 5, [0, 1])])
@@ -198,7 +198,7 @@ def _prefilled(model: Qwen35Model, prompts: list[list[int]]) -> tuple[StepRunner
     model.allocate_cache(KV_PAGES + 1, PAGE, 2 * MAX_SLOTS)
     runner = StepRunner(model, torch.device("cpu"), 0, PAGE, KV_PAGES, MAX_SLOTS, 64)
     chunks = [_chunk(i + 1, p, 0, [2 * i, 2 * i + 1]) for i, p in enumerate(prompts)]
-    results = runner.prefill(chunks)
+    results = runner.prefill(chunks).results
     return runner, [r.token for r in results]
 
 
@@ -265,7 +265,7 @@ def test_a_prefill_feeds_the_first_decode_from_the_slot_its_last_chunk_names(mod
         PrefillChunk(i + 1, pack_ids(p), 0, pack_ids([2 * i, 2 * i + 1]), True, feed_slot=i)
         for i, p in enumerate(prompts)
     ]
-    assert [r.token for r in fed.prefill(chunks)] == first
+    assert [r.token for r in fed.prefill(chunks).results] == first
     assert fed.fed_tokens[:2].tolist() == first
     fed_rows = [_row(i + 1, i, len(p), [2 * i, 2 * i + 1], token=FED_TOKEN) for i, p in enumerate(prompts)]
     assert [r.token for r in fed.decode(fed_rows).results()] == told
@@ -379,3 +379,32 @@ def test_loop_launches_a_unified_step_before_it_answers_the_decode_ahead(model: 
     finally:
         peer.close()
     assert peer.exit_code == EXIT_OK
+
+
+def test_prompt_logprobs_of_a_chunked_prompt_match_the_full_logits(model: Qwen35Model) -> None:
+    prompt = [4, 5, 6, 7, 8, 9, 10]
+    model.allocate_cache(KV_PAGES + 1, PAGE, 2 * MAX_SLOTS)
+    full = model.prefill(PrefillBatch.build([(prompt, 0, MAX_SLOTS, [0, 1])]), all_logits=True)
+    reference = torch.log_softmax(full, dim=-1)
+    runner = StepRunner(model, torch.device("cpu"), 0, PAGE, KV_PAGES, MAX_SLOTS, 64)
+    first = PrefillChunk(1, pack_ids(prompt[:3]), 0, pack_ids([0]), False, prompt_logprobs=2, next_token=7)
+    second = PrefillChunk(1, pack_ids(prompt[3:]), 3, pack_ids([0, 1]), True, prompt_logprobs=2)
+    head, tail = runner.prefill([first]).prompt_logprobs, runner.prefill([second]).prompt_logprobs
+    assert [(p.request_id, p.start, len(p.logprobs)) for p in (*head, *tail)] == [(1, 1, 3), (1, 4, 3)]
+    scored = [*head[0].logprobs, *tail[0].logprobs]
+    expected = [reference[i, prompt[i + 1]].item() for i in range(len(prompt) - 1)]
+    assert scored == pytest.approx(expected, abs=1e-5)
+    ranks = [int((reference[i] > reference[i, prompt[i + 1]]).sum()) + 1 for i in range(len(prompt) - 1)]
+    assert [*head[0].ranks, *tail[0].ranks] == ranks
+    top = reference.topk(2, dim=-1)
+    assert [*head[0].top_ids, *tail[0].top_ids] == top.indices[:-1].tolist()
+    top_logprobs = [value for row in (*head[0].top_logprobs, *tail[0].top_logprobs) for value in row]
+    assert top_logprobs == pytest.approx(top.values[:-1].flatten().tolist(), abs=1e-5)
+
+
+def test_a_prompt_logprobs_chunk_with_a_wrong_next_token_is_refused(runner: StepRunner) -> None:
+    chunk = PrefillChunk(1, pack_ids([4, 5]), 0, pack_ids([0]), True, prompt_logprobs=0, next_token=7)
+    with pytest.raises(
+        WorkerStateError, match="^prefill chunk for request 1: next_token 7 does not match last=True$"
+    ):
+        runner.prefill([chunk])

@@ -14,6 +14,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "linear": ("tools.bench_linear", "decode linears: Triton skinny GEMV/GEMM vs cuBLAS, in CUDA graphs"),
     "gdn": ("tools.bench_gdn", "GDN decode step per layer: fused kernel vs split path, in CUDA graphs"),
     "host": ("tools.bench_host", "host (Python) time of one eager decode step, per op"),
+    "grammar": ("tools.bench_grammar", "structured output on rank 0: grammar masks per step vs a plain pick"),
 }
 
 

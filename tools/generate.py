@@ -105,7 +105,8 @@ def _generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         ignore_eos=args.ignore_eos,
     )
-    params.validate()  # refuse bad flags and impossible prompts before paying for a launch
+    # refuse bad flags and impossible prompts before paying for a launch
+    params.validate(read_model_info(model_dir).vocab_size)
     context = choice.max_model_len or read_model_info(model_dir).max_position_embeddings
     if len(prompt_ids) + params.max_tokens > context:
         raise ValueError(

@@ -29,13 +29,17 @@ from protocol.messages import (
     DecodeRow,
     DropRequest,
     PrefillChunk,
+    PrefillDone,
+    PromptLogprobs,
     TokenResult,
     UnifiedDone,
 )
 from protocol.packing import unpack_list
 from worker.errors import WorkerStateError
 from worker.faults import fault_point
+from worker.grammar import GrammarTable
 from worker.graphs import DecodeGraphRunner
+from worker.prompt_scoring import PromptScoring
 from worker.request_table import Phase, RequestState, RequestTable
 from worker.sampling import DrawnTokens, draw_tokens
 from worker.slots import SlotTable
@@ -93,11 +97,15 @@ class PendingDecode(PendingStep):
 
 
 class PendingPrefill:
-    """The tokens sampled at a prefill's last chunks (none when no chunk was a prompt's last)."""
+    """The tokens sampled at a prefill's last chunks (none when no chunk was a prompt's last),
+    and the prompt logprobs of the chunks that asked for them."""
 
-    def __init__(self, request_ids: list[int], drawn: DrawnTokens | None) -> None:
+    def __init__(
+        self, request_ids: list[int], drawn: DrawnTokens | None, prompt_logprobs: list[PromptLogprobs]
+    ) -> None:
         self._request_ids = request_ids
         self._drawn = drawn
+        self.prompt_logprobs = prompt_logprobs
 
     def ready(self) -> bool:
         return self._drawn is None or self._drawn.ready()
@@ -122,7 +130,7 @@ class PendingUnified(PendingStep):
         return self._prefill.ready() and self._decode.ready()
 
     def reply(self) -> UnifiedDone:
-        return UnifiedDone(self._prefill.results(), self._decode.results())
+        return UnifiedDone(self._prefill.results(), self._decode.results(), self._prefill.prompt_logprobs)
 
 
 class StepRunner:
@@ -145,6 +153,7 @@ class StepRunner:
         self.requests = RequestTable(max_slots)
         self.slots = SlotTable(max_slots)
         self.graphs: DecodeGraphRunner | None = None  # set in graph mode (worker.graphs)
+        self.grammars: GrammarTable | None = None  # rank 0's constrained requests (worker.grammar)
         self._fed_tokens = torch.zeros(max_slots, dtype=torch.int64, device=device)
         # request id -> decode slot of every decode row of the previous command: the rows a
         # pipelined step may feed from (empty after any other command).
@@ -204,6 +213,7 @@ class StepRunner:
                     )
             pages = self._pages(chunk.request_id, chunk.page_ids, chunk.start + len(tokens))
             self._check_feed_slot(chunk)
+            self._check_grammar(chunk)
             plans.append(_ChunkPlan(chunk, state, tokens, pages))
         if total > self.max_batch_tokens:
             raise WorkerStateError(
@@ -223,6 +233,26 @@ class StepRunner:
         owner = self.slots.owner(slot)
         if owner is not None:
             raise WorkerStateError(f"{where}, which request {owner} holds")
+
+    def _check_grammar(self, chunk: PrefillChunk) -> None:
+        if chunk.grammar is None:
+            return
+        if not chunk.last:
+            raise WorkerStateError(
+                f"prefill chunk for request {chunk.request_id} carries a grammar but is not its last"
+            )
+        if self.rank == 0 and self.grammars is None:
+            raise WorkerStateError(
+                f"request {chunk.request_id} carries a grammar but rank 0 has no grammar table"
+            )
+
+    def _constrained(self, request_ids: list[int]) -> torch.Tensor | None:
+        """The ids each row may pick, if any row's request has a grammar (rank 0)."""
+        return None if self.grammars is None else self.grammars.allowed(request_ids, self.device)
+
+    def _advance_grammars(self, request_ids: list[int], drawn: DrawnTokens) -> None:
+        if self.grammars is not None:  # the next pick's mask needs these tokens: read them now
+            self.grammars.advance(request_ids, drawn.tokens.tolist())
 
     def _plan_decode(self, rows: list[DecodeRow]) -> list[_RowPlan]:
         self._unique("decode", [row.request_id for row in rows])
@@ -259,21 +289,37 @@ class StepRunner:
             [(plan.tokens, plan.chunk.start, plan.state.state_slot, plan.pages) for plan in plans],
             self.device,
         )
-        logits = self.model.prefill(batch)
+        vocab = self.model.config.vocab_size
+        scoring = PromptScoring.plan([(plan.chunk, plan.tokens) for plan in plans], vocab)
+        scores = None
+        if scoring is None or not scoring.rows:
+            logits = self.model.prefill(batch)
+        else:
+            logits, scores = self.model.prefill_scored(batch, *scoring.tensors(self.device), scoring.top_n)
         for plan in plans:
             plan.state.cached = plan.chunk.start + len(plan.tokens)
             if plan.chunk.last:
                 plan.state.phase = Phase.PREFILLED
         if self.rank != 0:
             return None
+        prompt_logprobs = [] if scoring is None else scoring.results(scores)
         final = [index for index, plan in enumerate(plans) if plan.chunk.last]
         if not final:
-            return PendingPrefill([], None)
+            return PendingPrefill([], None, prompt_logprobs)
+        final_ids = [plans[i].chunk.request_id for i in final]
+        for i in final:
+            grammar = plans[i].chunk.grammar
+            if grammar is not None and self.grammars is not None:
+                self.grammars.start(plans[i].chunk.request_id, grammar)
+        allowed = self._constrained(final_ids)
         drawn = draw_tokens(
             logits[final],
             [plans[i].chunk.sampling for i in final],
             [plans[i].state.cached for i in final],
+            allowed=allowed,
         )
+        if allowed is not None:
+            self._advance_grammars(final_ids, drawn)
         feeding = [
             (row, plans[i].chunk.feed_slot)
             for row, i in enumerate(final)
@@ -283,7 +329,7 @@ class StepRunner:
             picked = torch.tensor([row for row, _ in feeding], device=drawn.tokens.device)
             slots = torch.tensor([slot for _, slot in feeding], device=self.fed_tokens.device)
             self.fed_tokens.index_copy_(0, slots, drawn.tokens.index_select(0, picked))
-        return PendingPrefill([plans[i].chunk.request_id for i in final], drawn)
+        return PendingPrefill(final_ids, drawn, prompt_logprobs)
 
     def _run_decode(self, plans: list[_RowPlan]) -> PendingDecode | None:
         for plan in plans:
@@ -311,24 +357,29 @@ class StepRunner:
         self._fed_from = {plan.row.request_id: plan.row.slot for plan in plans}
         if self.rank != 0:
             return None
+        request_ids = [plan.row.request_id for plan in plans]
+        allowed = self._constrained(request_ids)
         drawn = draw_tokens(
             logits,
             [plan.row.sampling for plan in plans],
             [plan.row.position + 1 for plan in plans],
             greedy,
             landed,
+            allowed,
         )
+        if allowed is not None:
+            self._advance_grammars(request_ids, drawn)
         if drawn.tokens is not greedy:
             self.fed_tokens.index_copy_(0, slots, drawn.tokens)
         return PendingDecode(plans, drawn)
 
     # -- commands -------------------------------------------------------------------------------
 
-    def prefill(self, chunks: list[PrefillChunk]) -> list[TokenResult] | None:
+    def prefill(self, chunks: list[PrefillChunk]) -> PrefillDone | None:
         fault_point("prefill", self.rank)
         pending = self._run_prefill(self._plan_prefill(chunks))
         self._fed_from = {chunk.request_id: chunk.feed_slot for chunk in chunks if chunk.feed_slot != NO_FEED}
-        return None if pending is None else pending.results()
+        return None if pending is None else PrefillDone(pending.results(), pending.prompt_logprobs)
 
     def decode(self, rows: list[DecodeRow]) -> PendingDecode | None:
         """Launches the step; rank 0 gets it back in flight (``PendingDecode.results``)."""
@@ -361,6 +412,8 @@ class StepRunner:
         """Forget a request (and apply the slot compaction); returns whether it existed here."""
         fault_point("drop", self.rank)
         self._fed_from = {}
+        if self.grammars is not None:
+            self.grammars.drop(command.request_id)
         state = self.requests.get(command.request_id)
         if command.move is None:
             if state is not None and state.phase is Phase.DECODING and state.decode_slot is not None:

@@ -32,7 +32,6 @@ from protocol.messages import (
     Ping,
     Precapture,
     Prefill,
-    PrefillDone,
     Reply,
     ReplyEnvelope,
     Shutdown,
@@ -95,8 +94,8 @@ class CommandLoop:
         return Ack()
 
     def _prefill(self, command: Prefill) -> Reply:
-        results = self.runner.prefill(command.chunks)
-        return Ack() if results is None else PrefillDone(results)
+        done = self.runner.prefill(command.chunks)
+        return Ack() if done is None else done
 
     def _decode(self, command: Decode) -> Reply | PendingStep:
         step = self.runner.decode(command.rows)

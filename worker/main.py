@@ -29,6 +29,7 @@ from worker.capacity import GIB, CapacityError, memory_line, size_capacity
 from worker.commands import StepRunner
 from worker.config import WorkerConfig, ranks_on_this_host
 from worker.faults import fault_point, wrap_socket
+from worker.grammar import GrammarTable
 from worker.graphs import build_graph_runner, precapture_handler
 from worker.heartbeat import HeartbeatThread
 from worker.logs import bind_epoch, configure_logging
@@ -188,6 +189,8 @@ def _startup(sock: RankSocket, config: WorkerConfig) -> tuple[StepRunner, int] |
         effective.max_batch_tokens,
     )
     runner.graphs = graphs
+    if config.rank == 0:  # the rank that samples keeps the constrained requests' matchers
+        runner.grammars = GrammarTable(config.model_dir, model.config.vocab_size, model.config.eos_token_ids)
     return runner, epoch
 
 

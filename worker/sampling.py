@@ -1,4 +1,5 @@
-"""Rank 0 token sampling: greedy, temperature, top-k, top-p, per-request seeds, top-N logprobs.
+"""Rank 0 token sampling: greedy, temperature, top-k, top-p, min-p, logit bias, banned ids,
+per-request seeds, top-N logprobs.
 
 ``sample(logits, params, positions)`` picks one token per row. ``positions[i]`` is the position
 the sampled token will occupy (the prompt length for a request's first output token, ``p + 1``
@@ -8,7 +9,8 @@ batched with. The draw itself is an inverse-CDF lookup over the filtered distrib
 vocabulary sorted by probability (ties by ascending id), so it is exact and reproducible.
 
 Reported logprobs are those of the model's raw distribution (``log_softmax`` of the logits,
-before temperature and filters), as the OpenAI API does.
+before bias, bans, temperature and filters), as the OpenAI API does. Rank 0 holds the full
+vocabulary's logits (the head gathers them), so bias and bans act on every id under any TP.
 """
 
 from __future__ import annotations
@@ -58,9 +60,38 @@ def _validate(logits: torch.Tensor, params: list[SamplingParams], positions: lis
         raise ValueError(
             f"sampling got {rows} logit rows but {len(params)} parameter sets and {len(positions)} positions"
         )
+    vocab = logits.shape[1]
     for index, p in enumerate(params):
-        if p.temperature < 0 or p.top_k < 0 or not 0.0 < p.top_p <= 1.0:
+        if p.temperature < 0 or p.top_k < 0 or not 0.0 < p.top_p <= 1.0 or not 0.0 <= p.min_p <= 1.0:
             raise ValueError(f"invalid sampling parameters for row {index}: {p}")
+        for token in [*(p.logit_bias or ()), *(p.banned_ids or ())]:
+            if not 0 <= token < vocab:
+                raise ValueError(
+                    f"sampling row {index} names token id {token} outside the vocabulary [0, {vocab})"
+                )
+
+
+def _steered(
+    logits: torch.Tensor, params: list[SamplingParams], positions: list[int], allowed: torch.Tensor | None
+) -> torch.Tensor | None:
+    """The logits with each row's bias added, its banned ids and the ids its grammar does not
+    allow (``allowed`` False) at -inf; None if no row has any of these."""
+    steered = None
+    if allowed is not None:
+        steered = torch.where(allowed, logits.to(torch.float32), float("-inf"))
+    for row, (p, position) in enumerate(zip(params, positions, strict=True)):
+        banned = p.banned_ids if p.banned_ids and position < p.banned_until else None
+        if not p.logit_bias and not banned:
+            continue
+        if steered is None:
+            steered = logits.to(torch.float32, copy=True)
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), device=logits.device)
+            bias = torch.tensor(list(p.logit_bias.values()), dtype=torch.float32, device=logits.device)
+            steered[row].index_add_(0, ids, bias)
+        if banned:
+            steered[row, torch.tensor(banned, device=logits.device)] = float("-inf")
+    return steered
 
 
 def _greedy(logits: torch.Tensor) -> torch.Tensor:
@@ -74,6 +105,7 @@ def _draw(logits: torch.Tensor, params: list[SamplingParams], positions: list[in
     temperature = torch.tensor([p.temperature for p in params], dtype=torch.float64, device=device)
     top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device)
     top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64, device=device)
+    min_p = torch.tensor([p.min_p for p in params], dtype=torch.float64, device=device)
     uniform = torch.tensor(
         [_row_uniform(p, pos) for p, pos in zip(params, positions, strict=True)],
         dtype=torch.float64,
@@ -93,6 +125,7 @@ def _draw(logits: torch.Tensor, params: list[SamplingParams], positions: list[in
     # before it is still below top_p. The first token always stays.
     mass_before = torch.cumsum(probs, dim=-1) - probs
     keep &= (mass_before < top_p[:, None]) | (rank == 0)
+    keep &= probs >= min_p[:, None] * probs[:, :1]
 
     kept = torch.where(keep, probs, torch.zeros_like(probs))
     cdf = torch.cumsum(kept, dim=-1)
@@ -191,19 +224,25 @@ def draw_tokens(
     positions: list[int],
     greedy: torch.Tensor | None = None,
     landed: LandedTokens | None = None,
+    allowed: torch.Tensor | None = None,
 ) -> DrawnTokens:
     """Pick one token per row of ``logits`` [rows, vocab] (any float dtype, CPU or CUDA), on its
     device; ``to_host()`` of the result gives each row's Sample. ``greedy``, when given, is every
     row's argmax already (the decode graph picks it): rows that sample replace theirs in a copy.
-    ``landed`` is where the graph also stored ``greedy`` on the host: read there if no row samples."""
+    ``landed`` is where the graph also stored ``greedy`` on the host: read there if no row samples.
+    ``allowed`` (bool [rows, vocab]) are the ids each row may pick (a grammar's mask)."""
     _validate(logits, params, positions)
-    tokens = _greedy(logits) if greedy is None else greedy
+    steered = _steered(logits, params, positions, allowed)
+    if steered is not None:
+        greedy = None  # the graph's argmax saw the logits before bias and bans
+    picked_from = logits if steered is None else steered
+    tokens = _greedy(picked_from) if greedy is None else greedy
     drawn = [i for i, p in enumerate(params) if p.temperature > 0]
     if drawn:
         index = torch.tensor(drawn, device=logits.device)
         tokens = tokens.clone()
         tokens[index] = _draw(
-            logits.index_select(0, index), [params[i] for i in drawn], [positions[i] for i in drawn]
+            picked_from.index_select(0, index), [params[i] for i in drawn], [positions[i] for i in drawn]
         )
     if drawn or greedy is None:
         landed = None  # the landing holds the graph's argmax, not these tokens

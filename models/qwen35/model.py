@@ -12,7 +12,7 @@ from kernels import ops
 from models.qwen35.batch import DecodeBatch, PrefillBatch
 from models.qwen35.config import Qwen35Config
 from models.qwen35.layers import DecoderLayer, StepContext
-from models.qwen35.parallel import TensorParallel, VocabParallelEmbedding, VocabParallelHead
+from models.qwen35.parallel import TensorParallel, TokenScores, VocabParallelEmbedding, VocabParallelHead
 from models.qwen35.sharding import RankLayout, tensor_specs
 from models.qwen35.weights import Checkpoint, check_tensors, read_slices
 
@@ -150,6 +150,27 @@ class Qwen35Model:
     @torch.inference_mode()
     def prefill(self, batch: PrefillBatch, all_logits: bool = False) -> torch.Tensor:
         """Logits float32 [num_chunks, vocab] at each chunk's last token ([T, vocab] if all_logits)."""
+        hidden, residual, cu_seqlens = self._prefill_layers(batch)
+        if not all_logits:
+            last = cu_seqlens[1:].long() - 1
+            hidden, residual = hidden[last], residual[last]
+        return self._logits(hidden, residual)
+
+    @torch.inference_mode()
+    def prefill_scored(
+        self, batch: PrefillBatch, rows: torch.Tensor, targets: torch.Tensor, top_n: int
+    ) -> tuple[torch.Tensor, TokenScores]:
+        """``prefill``'s logits, and the log-probability of ``targets[i]`` after the batch token
+        at ``rows[i]`` with the top ``top_n``, on the vocab shards (``VocabParallelHead.score``)."""
+        hidden, residual, cu_seqlens = self._prefill_layers(batch)
+        last = cu_seqlens[1:].long() - 1
+        logits = self._logits(hidden[last], residual[last])
+        rows = rows.to(self.device)
+        normed, _ = ops.rms_norm(hidden[rows], self.final_norm, self.config.rms_norm_eps, residual[rows])
+        return logits, self.head.score(normed, targets.to(self.device), top_n)
+
+    def _prefill_layers(self, batch: PrefillBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The last layer's output, the residual before it (every token) and the chunk bounds."""
         self._require_cache("prefill")
         cu_seqlens = batch.cu_seqlens.to(self.device)
         lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
@@ -174,10 +195,7 @@ class Qwen35Model:
             has_initial_state=starts > 0,
         )
         hidden, residual = self._layers(tokens, ctx)
-        if not all_logits:
-            last = cu_seqlens[1:].long() - 1
-            hidden, residual = hidden[last], residual[last]
-        return self._logits(hidden, residual)
+        return hidden, residual, cu_seqlens
 
     def _check_token_ids(self, tokens: torch.Tensor) -> None:
         low, high = int(tokens.min()), int(tokens.max())

@@ -7,6 +7,8 @@ that decode stays CUDA-graph capturable.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 
@@ -43,6 +45,20 @@ class TensorParallel:
         """Overwrite x on every rank with rank 0's x."""
         if self.world_size > 1 and not self.local_only:
             dist.broadcast(x, src=0)
+
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        """Element-wise maximum of x over ranks, in place."""
+        if self.world_size > 1:
+            dist.all_reduce(x, op=dist.ReduceOp.MAX)
+        return x
+
+    def all_gather_stacked(self, x: torch.Tensor) -> torch.Tensor:
+        """x on each rank -> [world_size, *x.shape], rank r's x at index r."""
+        if self.world_size == 1:
+            return x[None]
+        gathered = torch.empty((self.world_size, *x.shape), dtype=x.dtype, device=x.device)
+        dist.all_gather(list(gathered.unbind(0)), x.contiguous())
+        return gathered
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, V/t] on each rank -> [N, V], rank r's part at columns [r V/t, (r+1) V/t)."""
@@ -86,6 +102,16 @@ class VocabParallelEmbedding:
         return embedded if self.tp.world_size == 1 else self.tp.all_reduce(embedded)
 
 
+class TokenScores(NamedTuple):
+    """Log-probabilities of given tokens [T], their ranks [T] (1 + how many ids score higher) and
+    the top N of each row ([T, N] values and ids, ties by ascending id; None when N is 0)."""
+
+    chosen: torch.Tensor
+    ranks: torch.Tensor
+    top_values: torch.Tensor | None
+    top_ids: torch.Tensor | None
+
+
 class VocabParallelHead:
     """Logits for this rank's vocab slice, gathered into the full vocabulary (float32) on every rank."""
 
@@ -97,3 +123,29 @@ class VocabParallelHead:
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         local = self.linear(hidden)
         return self.tp.all_gather_last_dim(local)
+
+    def score(self, hidden: torch.Tensor, targets: torch.Tensor, top_n: int) -> TokenScores:
+        """Each row's log-probability of its target token, its rank and its top ``top_n``, computed
+        on the vocab shards: only the log-normaliser's parts, the targets' logits and ranks and each
+        shard's top N cross between ranks, never a full row of the vocabulary."""
+        local = self.linear(hidden).float()
+        shard = local.shape[1]
+        first = self.tp.rank * shard
+        peak = self.tp.all_reduce_max(local.max(dim=-1).values)
+        total = self.tp.all_reduce(torch.exp(local - peak[:, None]).sum(dim=-1))
+        normaliser = peak + torch.log(total)
+        mine = (targets >= first) & (targets < first + shard)
+        picked = local.gather(1, (targets - first).clamp(0, shard - 1)[:, None]).squeeze(1)
+        logit = self.tp.all_reduce(torch.where(mine, picked, torch.zeros_like(picked)))
+        ranks = self.tp.all_reduce((local > logit[:, None]).sum(dim=-1)) + 1
+        chosen = logit - normaliser
+        if top_n == 0:
+            return TokenScores(chosen, ranks, None, None)
+        values, ids = local.topk(min(top_n, shard), dim=-1)
+        values = self.tp.all_gather_stacked(values).permute(1, 0, 2).reshape(len(targets), -1)
+        ids = self.tp.all_gather_stacked(ids + first).permute(1, 0, 2).reshape(len(targets), -1)
+        # sorted by id first, so the stable sort by value keeps equal values in ascending id order
+        by_id = torch.argsort(ids, dim=-1, stable=True)
+        values, ids = values.gather(1, by_id), ids.gather(1, by_id)
+        order = torch.argsort(values, dim=-1, descending=True, stable=True)[:, :top_n]
+        return TokenScores(chosen, ranks, values.gather(1, order) - normaliser[:, None], ids.gather(1, order))

@@ -1,0 +1,128 @@
+"""Structured output: the request fields that constrain a reply, as one llguidance grammar.
+
+OpenAI's ``response_format`` (``json_object``, ``json_schema``), vLLM's ``guided_json``,
+``guided_regex`` and ``guided_choice``, and a ``tool_choice`` that demands a tool call
+(``required`` or a named function: one Qwen-style ``<tool_call>`` block whose JSON names an offered
+tool and follows its parameters). Rank 0 masks every token the grammar does not allow
+(``worker/grammar.py``). A grammar that does not compile is a 400 naming the field it came from.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import llguidance
+
+from server.errors import bad_request
+
+TOOL_CALL_OPEN = "<tool_call>"
+TOOL_CALL_CLOSE = "</tool_call>"
+# compact JSON: free whitespace would let a model pad its reply with blank lines until max_tokens
+JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
+
+
+class GrammarCheck:
+    """Compiles grammars against the model's tokenizer, as rank 0 will (built on first use)."""
+
+    def __init__(self, model_dir: str | Path, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+        self._tokenizer_file = Path(model_dir) / "tokenizer.json"
+        self._vocab_size = vocab_size
+        self._eos = list(eos_token_ids)
+        self._tokenizer: llguidance.LLTokenizer | None = None
+
+    def __call__(self, grammar: str, field: str) -> str:
+        if self._tokenizer is None:
+            json_text = self._tokenizer_file.read_text(encoding="utf-8")
+            self._tokenizer = llguidance.LLTokenizer(json_text, n_vocab=self._vocab_size, eos_token=self._eos)
+        error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer)
+        if error:
+            raise bad_request(f"{field}: {error.strip()}", param=field)
+        return grammar
+
+
+def _json_schema_grammar(schema: Any, field: str, check: GrammarCheck) -> str:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise bad_request(f"{field}: the schema is not valid JSON: {e}", param=field) from e
+    if not isinstance(schema, dict | bool):
+        raise bad_request(f"{field}: a JSON schema is an object, got {type(schema).__name__}", param=field)
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)  # type: ignore[arg-type]
+    except (ValueError, TypeError) as e:
+        raise bad_request(f"{field}: {e}", param=field) from e
+    return check(grammar, field)
+
+
+def response_format_grammar(response_format: dict[str, Any], check: GrammarCheck) -> str | None:
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return _json_schema_grammar({"type": "object"}, "response_format", check)
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise bad_request(
+                "response_format: json_schema needs a json_schema.schema", param="response_format"
+            )
+        return _json_schema_grammar(spec["schema"], "response_format", check)
+    raise bad_request(
+        f"response_format: type must be text, json_object or json_schema, got {kind!r}",
+        param="response_format",
+    )
+
+
+def guided_grammar(
+    guided_json: Any, guided_regex: str | None, guided_choice: list[str] | None, check: GrammarCheck
+) -> str | None:
+    if guided_json is not None:
+        return _json_schema_grammar(guided_json, "guided_json", check)
+    if guided_regex is not None:
+        return check(llguidance.LLMatcher.grammar_from_regex(guided_regex), "guided_regex")
+    if guided_choice is not None:
+        if not guided_choice:
+            raise bad_request("guided_choice: at least one choice is needed", param="guided_choice")
+        return check(
+            llguidance.LLMatcher.grammar_from_regex("|".join(re.escape(c) for c in guided_choice)),
+            "guided_choice",
+        )
+    return None
+
+
+def tool_names(tools: list[dict[str, Any]]) -> list[str]:
+    names = []
+    for index, tool in enumerate(tools):
+        function = tool.get("function") if tool.get("type") == "function" else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise bad_request(
+                f"tools.{index}: a tool is {{type: function, function: {{name, ...}}}}", param="tools"
+            )
+        names.append(function["name"])
+    return names
+
+
+def tool_call_grammar(tools: list[dict[str, Any]], names: list[str], check: GrammarCheck) -> str:
+    """One ``<tool_call>`` block calling one of ``names`` with arguments that follow its parameters."""
+    calls = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": tool["function"]["name"]},
+                "arguments": tool["function"].get("parameters") or {"type": "object"},
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for tool in tools
+        if tool["function"]["name"] in names
+    ]
+    schema = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": JSON_OPTIONS}
+    lark = f"start: {json.dumps(TOOL_CALL_OPEN + chr(10))} call {json.dumps(chr(10) + TOOL_CALL_CLOSE)}\n"
+    return check(
+        llguidance.LLMatcher.grammar_from_lark(lark + f"call: %json {json.dumps(schema)}\n"), "tools"
+    )
