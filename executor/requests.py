@@ -11,10 +11,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from executor.events import Event
-from protocol.messages import SamplingParams
+from protocol.messages import (
+    GREEDY_BELOW,
+    INT32_MAX,
+    INT64_MAX,
+    INT64_MIN,
+    MAX_LOGPROBS,
+    MAX_TEMPERATURE,
+    SamplingParams,
+)
 
-MAX_TOP_LOGPROBS = 20
-_INT64 = 1 << 63
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -31,30 +40,36 @@ class GenerationParams:
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= INT32_MAX:
+            raise ValueError(f"max_tokens must be an integer in [1, {INT32_MAX}], got {self.max_tokens!r}")
+        if not math.isfinite(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(
+                f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}"
+            )
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or not -_INT64 <= self.seed < _INT64):
+        if not _is_int(self.top_k) or not 0 <= self.top_k <= INT32_MAX:
+            raise ValueError(
+                f"top_k must be an integer in [0, {INT32_MAX}] (0 disables it), got {self.top_k!r}"
+            )
+        if self.seed is not None and (not _is_int(self.seed) or not INT64_MIN <= self.seed <= INT64_MAX):
             raise ValueError(f"seed must be a 64-bit signed integer, got {self.seed!r}")
         if self.logprobs is not None and (
-            not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS
+            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
-            raise ValueError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}")
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
     def sampling(self) -> SamplingParams:
         """The parameters the ranks sample with. A request that samples (temperature > 0) without a
         seed gets one drawn here, once: the coordinator owns that decision like every other, so rank
         0's draws follow from the commands alone and a recorded trace replays token for token."""
+        # a temperature too small to divide by is greedy (protocol.messages.GREEDY_BELOW)
+        temperature = 0.0 if self.temperature < GREEDY_BELOW else float(self.temperature)
         seed = self.seed
-        if seed is None and self.temperature > 0:
+        if seed is None and temperature > 0:
             seed = secrets.randbits(63)
         return SamplingParams(
-            temperature=float(self.temperature),
+            temperature=temperature,
             top_k=self.top_k,
             top_p=float(self.top_p),
             seed=seed,

@@ -11,6 +11,7 @@ class ProtocolError(Exception):
     WRONG_VERSION = "wrong_version"
     FOREIGN_EPOCH = "foreign_epoch"
     UNAUTHENTICATED = "unauthenticated"
+    OUT_OF_RANGE = "out_of_range"
 
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(f"protocol error ({reason}): {detail}")

@@ -25,15 +25,36 @@ that way too: the prompt's last chunk names the decode slot it feeds (``feed_slo
 answers a Decode or Unified as soon as its tokens are on the host. If the next command arrives
 before that and is a Decode or Unified, rank 0 launches it first, then answers; any other command
 runs only after the answer is out. Replies always leave a rank in seq order.
+
+Wire limits: every integer is bounded by its Meta annotation (token ids, positions, slots and
+counts fit int32; request ids and seeds int64), temperatures are finite and at most
+``MAX_TEMPERATURE``, ``top_p`` is in (0, 1]. ``protocol.codec.encode`` refuses a command outside
+them before it is sent, and a rank's decoder refuses a frame outside them, so no value that a
+rank cannot compute with ever reaches it.
 """
 
 from __future__ import annotations
 
 import enum
+from typing import Annotated
 
 import msgspec
 
-PROTOCOL_VERSION = 3  # 2: pipelined decode (FED_TOKEN rows); 3: a prefill feeds the first decode
+# 2: pipelined decode (FED_TOKEN rows); 3: a prefill feeds the first decode; 4: bounded values
+PROTOCOL_VERSION = 4
+
+INT32_MAX = (1 << 31) - 1
+INT64_MIN = -(1 << 63)
+INT64_MAX = (1 << 63) - 1
+MAX_TEMPERATURE = 2.0
+MAX_LOGPROBS = 20
+GREEDY_BELOW = 1e-5
+"""A temperature below this samples greedily: dividing logits by it would overflow to inf."""
+
+Int32 = Annotated[int, msgspec.Meta(ge=-INT32_MAX - 1, le=INT32_MAX)]
+Count = Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)]
+Int64 = Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]
+RequestId = Annotated[int, msgspec.Meta(ge=1, le=INT64_MAX)]
 
 # ---------------------------------------------------------------------------------------------
 # Shared pieces
@@ -43,18 +64,18 @@ PROTOCOL_VERSION = 3  # 2: pipelined decode (FED_TOKEN rows); 3: a prefill feeds
 class SamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
     """How rank 0 picks a request's next token.
 
-    temperature 0 means greedy (ties go to the smallest id). top_k 0 and top_p 1.0 disable those
+    temperature 0 (or below ``GREEDY_BELOW``) means greedy (ties go to the smallest id). top_k 0 and top_p 1.0 disable those
     filters. With a seed, the draw depends only on (seed, position), never on the batch. The
     coordinator gives every request that samples a seed (its own, or one it draws), so a command
     fixes its tokens; a command without one (only a hand-made trace sends it) draws unseeded.
     logprobs None returns no logprobs; N >= 0 returns the chosen token's logprob and the top N.
     """
 
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    logprobs: int | None = None
+    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=MAX_TEMPERATURE)] = 0.0
+    top_k: Count = 0
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
+    seed: Int64 | None = None
+    logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None
 
 
 class Capacity(msgspec.Struct, frozen=True):
@@ -64,10 +85,10 @@ class Capacity(msgspec.Struct, frozen=True):
     slots (and of prefill staging states). max_batch_tokens bounds the tokens of one prefill step.
     """
 
-    kv_pages: int
-    page_size: int
-    max_slots: int
-    max_batch_tokens: int
+    kv_pages: Count
+    page_size: Count
+    max_slots: Count
+    max_batch_tokens: Count
 
 
 # ---------------------------------------------------------------------------------------------
@@ -127,13 +148,13 @@ class PrefillChunk(msgspec.Struct, frozen=True, array_like=True):
     is read. The slot must be free: no request is decoding in it.
     """
 
-    request_id: int
+    request_id: RequestId
     tokens: bytes
-    start: int
+    start: Count
     page_ids: bytes
     last: bool
     sampling: SamplingParams = SamplingParams()
-    feed_slot: int = NO_FEED
+    feed_slot: Int32 = NO_FEED
 
 
 FED_TOKEN = -1
@@ -149,10 +170,10 @@ class DecodeRow(msgspec.Struct, frozen=True, array_like=True):
     On a request's first decode row the worker moves its prefill-owned state into ``slot``.
     """
 
-    request_id: int
-    slot: int
-    token: int
-    position: int
+    request_id: RequestId
+    slot: Count
+    token: Int32
+    position: Count
     page_ids: bytes
     sampling: SamplingParams = SamplingParams()
 
@@ -165,9 +186,9 @@ class Expectation(enum.Enum):
 class SlotMove(msgspec.Struct, frozen=True, array_like=True):
     """Compaction that accompanies a retirement: ``request_id`` moves ``from_slot -> to_slot``."""
 
-    request_id: int
-    from_slot: int
-    to_slot: int
+    request_id: RequestId
+    from_slot: Count
+    to_slot: Count
 
 
 class Ping(msgspec.Struct, frozen=True, tag="ping", tag_field="op"):
@@ -190,7 +211,7 @@ class Unified(msgspec.Struct, frozen=True, tag="unified", tag_field="op"):
 
 
 class DropRequest(msgspec.Struct, frozen=True, tag="drop", tag_field="op"):
-    request_id: int
+    request_id: RequestId
     expectation: Expectation
     move: SlotMove | None = None
 
@@ -200,11 +221,11 @@ class Warmup(msgspec.Struct, frozen=True, tag="warmup", tag_field="phase"):
 
 
 class Capture(msgspec.Struct, frozen=True, tag="capture", tag_field="phase"):
-    bucket: int
+    bucket: Count
 
 
 class Launch(msgspec.Struct, frozen=True, tag="launch", tag_field="phase"):
-    bucket: int
+    bucket: Count
 
 
 class Finalize(msgspec.Struct, frozen=True, tag="finalize", tag_field="phase"):
@@ -233,8 +254,8 @@ CoordinatorMessage = Command | Go | Cancel
 class TokenResult(msgspec.Struct, frozen=True, array_like=True):
     """A sampled token. ``logprob`` and the top lists are present when the row asked for them."""
 
-    request_id: int
-    token: int
+    request_id: RequestId
+    token: Int32
     logprob: float | None = None
     top_ids: list[int] | None = None
     top_logprobs: list[float] | None = None
@@ -300,17 +321,17 @@ class Envelope(msgspec.Struct, frozen=True):
     """What the coordinator sends. ``epoch`` identifies one launch; ``seq`` grows by one per
     dispatched command (startup messages use seq 0)."""
 
-    proto: int
-    epoch: int
-    seq: int
+    proto: Int64
+    epoch: Int64
+    seq: Int64
     body: CoordinatorMessage
 
 
 class ReplyEnvelope(msgspec.Struct, frozen=True):
     """What a rank sends back, echoing the envelope's epoch and seq."""
 
-    proto: int
-    epoch: int
-    rank: int
-    seq: int
+    proto: Int64
+    epoch: Int64
+    rank: Count
+    seq: Int64
     body: RankMessage

@@ -11,6 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from executor.engine import Engine
+from server.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from server.chat_template import ChatTemplate, ChatTemplateError
 from server.detokenizer import TextTokenizer
 from server.errors import ApiError, error_body
@@ -37,6 +38,7 @@ def create_app(
     model_dir: str | Path,
     served_model_name: str | None = None,
     default_max_tokens: int | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> FastAPI:
     model_dir = Path(model_dir)
     try:
@@ -55,6 +57,7 @@ def create_app(
         default_max_tokens=default_max_tokens,
     )
     app.include_router(router)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes, on_refused=metrics.rejected.inc)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:

@@ -9,6 +9,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from server.errors import ApiError, error_body
 from server.generation import Generation, GenerationError
@@ -56,7 +57,7 @@ async def models(request: Request) -> dict[str, Any]:
 async def completions(body: CompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
     state = _state(request)
     state.check_model(body.model)
-    prompt_ids = state.completion_prompt_ids(body.prompt)
+    prompt_ids = await run_in_threadpool(state.completion_prompt_ids, body.prompt)
     generation = state.start(prompt_ids, body, body.max_tokens, body.logprobs)
     fmt = CompletionFormat(state.tokenizer, state.model_name, want_logprobs=body.logprobs is not None)
     if body.stream:
@@ -68,7 +69,7 @@ async def completions(body: CompletionRequest, request: Request) -> JSONResponse
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
     state = _state(request)
     state.check_model(body.model)
-    prompt_text, prompt_ids = state.chat_prompt(body)
+    prompt_text, prompt_ids = await run_in_threadpool(state.chat_prompt, body)
     generation = state.start(prompt_ids, body, body.requested_max_tokens, body.logprobs_count)
     fmt = ChatFormat(
         state.tokenizer,

@@ -6,16 +6,28 @@ Unknown fields are ignored, as OpenAI clients send optional fields this server d
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-MAX_STOP_STRINGS = 16
-MAX_TOP_LOGPROBS = 20
+from server.limits import (
+    MAX_STOP_STRINGS,
+    RESERVED_TEMPLATE_KWARGS,
+    Flag,
+    LogprobCount,
+    ModelName,
+    Seed,
+    StopString,
+    Temperature,
+    TokenCount,
+    TokenId,
+    TopK,
+    TopP,
+)
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: Flag = False
 
 
 class SamplingRequest(BaseModel):
@@ -23,15 +35,15 @@ class SamplingRequest(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1, description="0 or -1: no top-k filter")
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    ignore_eos: bool = False
-    stream: bool = False
+    model: ModelName | None = None
+    max_tokens: TokenCount | None = None
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = 0
+    seed: Seed | None = None
+    stop: StopString | list[StopString] | None = None
+    ignore_eos: Flag = False
+    stream: Flag = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=1, description="one choice per request")
     # accepted only at their neutral values: silently ignoring them would change results unseen
@@ -56,8 +68,6 @@ class SamplingRequest(BaseModel):
         stops = [value] if isinstance(value, str) else list(value or [])
         if len(stops) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are supported, got {len(stops)}")
-        if any(s == "" for s in stops):
-            raise ValueError("stop strings must not be empty")
         return stops
 
     @property
@@ -70,9 +80,9 @@ class SamplingRequest(BaseModel):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    prompt: Annotated[str, Field(strict=True)] | list[TokenId] | list[str] | list[list[TokenId]]
+    max_tokens: TokenCount | None = 16
+    logprobs: LogprobCount | None = None
     echo: Literal[False] = False
 
     @field_validator("prompt")
@@ -109,12 +119,20 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    add_generation_prompt: bool = True
+    max_completion_tokens: TokenCount | None = None
+    logprobs: Flag = False
+    top_logprobs: LogprobCount | None = None
+    add_generation_prompt: Flag = True
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None  # handed to the chat template; replies are not parsed
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _own_template_variables(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        taken = sorted(set(value or ()) & set(RESERVED_TEMPLATE_KWARGS))
+        if taken:
+            raise ValueError(f"{', '.join(taken)} cannot be set here: the request's own fields set them")
+        return value
 
     @property
     def requested_max_tokens(self) -> int | None:

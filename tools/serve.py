@@ -18,6 +18,7 @@ from pathlib import Path
 import structlog
 
 from executor.errors import ExecutorError
+from server.body_limit import DEFAULT_MAX_BODY_BYTES
 from tools.launch_options import add_launch_arguments, executor_options, model_dir_problem
 from tools.stop_signals import StopSignal
 
@@ -56,6 +57,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="max_tokens of a chat request that names none (default: the rest of the context)",
     )
     parser.add_argument("--step-timeout", type=float, default=300.0, help="seconds one engine step may take")
+    parser.add_argument(
+        "--max-body-bytes",
+        type=positive_int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help=f"largest request body; larger ones get 413 (default: {DEFAULT_MAX_BODY_BYTES}, 8 MiB)",
+    )
     parser.add_argument("--log-level", default="warning", help="uvicorn's access/error log level")
     add_launch_arguments(parser)
 
@@ -69,6 +76,16 @@ def port_number(text: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"must be a port from 0 to 65535, got {text!r}")
     return port
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
 
 
 def curl_line(base: str, model: str) -> str:
@@ -151,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"phalanx serve: error: the replica did not start: {e}", file=sys.stderr)
         return 1
     with sock, engine:
-        app = create_app(engine, model_dir, name, args.default_max_tokens)
+        app = create_app(engine, model_dir, name, args.default_max_tokens, args.max_body_bytes)
         model = app.state.phalanx.model_name
         host, port = sock.getsockname()[:2]
         base = f"http://{'[' + host + ']' if ':' in host else host}:{port}"

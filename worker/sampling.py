@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from protocol.messages import SamplingParams
+from protocol.messages import GREEDY_BELOW, SamplingParams
 
 if TYPE_CHECKING:
     from worker.graph_inputs import LandedTokens
@@ -198,7 +198,7 @@ def draw_tokens(
     ``landed`` is where the graph also stored ``greedy`` on the host: read there if no row samples."""
     _validate(logits, params, positions)
     tokens = _greedy(logits) if greedy is None else greedy
-    drawn = [i for i, p in enumerate(params) if p.temperature > 0]
+    drawn = [i for i, p in enumerate(params) if p.temperature >= GREEDY_BELOW]
     if drawn:
         index = torch.tensor(drawn, device=logits.device)
         tokens = tokens.clone()
