@@ -86,6 +86,8 @@ class Executor:
         self._seq = first_seq
         self._poison = Poison()
         self._closed = False
+        self._clean_shutdown = False
+        self._interrupted: str | None = None  # set from another thread: the waiting step fails
         self._collections: dict[int, StepCollection] = {}  # seq -> replies of a step in flight
 
     @property
@@ -163,16 +165,23 @@ class Executor:
         replies = self._step("precapture", Precapture(phase), timeout)
         self._validated(lambda: responses.validate_acks("precapture", replies, self.world_size))
 
-    def shutdown(self) -> None:
-        """Shutdown to every rank, a bounded join, then kill; idempotent."""
+    def interrupt(self, reason: str) -> None:
+        """Make the step waiting for replies fail at once (within one poll slice), naming the
+        ranks that did not answer; callable from any thread."""
+        self._interrupted = reason
+
+    def shutdown(self) -> bool:
+        """Shutdown to every rank, a bounded join, then kill; idempotent. True when every rank
+        acknowledged the Shutdown."""
         if self._closed:
-            return
+            return self._clean_shutdown
         self._closed = True
         grace = self.config.shutdown_timeout
         if self._poison.reason is None:
             started = time.monotonic()
             try:
                 self._step("shutdown", Shutdown(), timeout=grace)
+                self._clean_shutdown = True
             except ExecutorError as exc:
                 log.warning("shutdown was not acknowledged by every rank", error=str(exc))
             grace = max(0.0, grace - (time.monotonic() - started))
@@ -183,6 +192,7 @@ class Executor:
         if self._runtime_dir is not None:
             self._runtime_dir.remove()
         log.info("executor shut down")
+        return self._clean_shutdown
 
     def __enter__(self) -> Executor:
         return self
@@ -227,6 +237,8 @@ class Executor:
         op, collection = step.op, self._collections[step.seq]
         bind(self.epoch, step.seq)
         while not collection.done:
+            if self._interrupted is not None:
+                self._fail(f"{self._interrupted} while {op} waited for ranks {collection.missing_ranks()}")
             remaining = step.deadline - time.monotonic()
             if remaining <= 0:
                 self._fail(

@@ -95,8 +95,8 @@ async def _collect_unless_gone(generation: Generation, request: Request) -> Coll
                 raise ApiError(499, "client disconnected", "client_closed_request")
         return task.result()
     except GenerationError as e:
-        poisoned = _state(request).engine.poison_reason is not None
-        raise ApiError(503 if poisoned else 500, str(e), "server_error") from e
+        closed = _state(request).engine.closed_reason is not None  # poisoned, or stopping
+        raise ApiError(503 if closed else 500, str(e), "server_error") from e
     finally:
         if not task.done():
             task.cancel()

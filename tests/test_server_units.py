@@ -179,8 +179,8 @@ class PoisonableRanks(FakeRanks):
             raise ExecutorPoisoned(self.poison_reason)
         return super().decode(rows)
 
-    def shutdown(self) -> None:
-        pass
+    def shutdown(self) -> bool:
+        return True
 
 
 def test_health_is_503_once_poisoned(tiny_model_dir: Path) -> None:

@@ -11,9 +11,12 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import signal
 import socket
 import sys
+import threading
 from pathlib import Path
+from typing import Any
 
 import structlog
 
@@ -57,6 +60,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="max_tokens of a chat request that names none (default: the rest of the context)",
     )
     parser.add_argument("--step-timeout", type=float, default=300.0, help="seconds one engine step may take")
+    parser.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=5.0,
+        help="seconds a stop gives clients and then the ranks before they are killed (default: 5)",
+    )
     parser.add_argument(
         "--max-body-bytes",
         type=positive_int,
@@ -126,10 +135,7 @@ def _listen(host: str, port: int) -> socket.socket:
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from executor.engine import Engine, EngineConfig
-    from server.app import create_app
 
     if args.model is None:
         from tools.demo_model import demo_model_dir
@@ -154,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
         step_timeout=args.step_timeout,
         cuda_graph=args.cuda_graph,
         pipeline=args.pipeline,
-        executor_options=executor_options(args),
+        executor_options={"shutdown_timeout": args.shutdown_grace, **executor_options(args)},
     )
     try:
         sock = _listen(args.host, args.port)
@@ -167,28 +173,73 @@ def run(args: argparse.Namespace) -> int:
         sock.close()
         print(f"phalanx serve: error: the replica did not start: {e}", file=sys.stderr)
         return 1
-    with sock, engine:
-        app = create_app(engine, model_dir, name, args.default_max_tokens, args.max_body_bytes)
-        model = app.state.phalanx.model_name
-        host, port = sock.getsockname()[:2]
-        base = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
-        print(f"phalanx serving {model!r} (tp={tp}, {args.device}) on {base}", flush=True)
-        print(f"try: {curl_line(base, model)}", flush=True)
-        note = eager_decode_note(args.device, args.cuda_graph)
-        if note:
-            print(note, flush=True)
-        # The app has no lifespan handlers. With them on, the SIGINT that uvicorn re-raises after
-        # draining could cancel the lifespan task mid-shutdown, which logged a spurious traceback.
-        server = uvicorn.Server(
-            uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5, lifespan="off")
+    with sock:
+        try:
+            _serve(args, engine, sock, model_dir, name, tp)
+        finally:
+            clean = engine.shutdown(args.shutdown_grace)
+    if not clean:
+        print(
+            f"phalanx serve: the replica did not shut down cleanly: {engine.poison_reason}", file=sys.stderr
         )
-        try:  # uvicorn drains, then re-raises the signal it stopped on (the CLI's StopSignal)
-            server.run(sockets=[sock])
-        except (KeyboardInterrupt, StopSignal) as stop:
-            name = "SIGINT" if isinstance(stop, KeyboardInterrupt) else str(stop)
-            print(
-                f"phalanx serve: stopped by {name}; shutting the replica down",
-                file=sys.stderr,
-                flush=True,
-            )
+        return 1
     return 0
+
+
+class _StoppingServer:
+    """uvicorn's server, which on the first stop signal also ends every open request at once
+    (an error event and ``[DONE]`` on a stream, 503 otherwise), so that draining the connections
+    waits for no generation."""
+
+    def __init__(self, server: Any, engine: Any) -> None:
+        self.server = server
+        self.engine = engine
+        self.stopping = False
+        self._handle_exit = server.handle_exit
+        server.handle_exit = self.handle_exit
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if not self.stopping:
+            self.stopping = True
+            # on a thread of its own: the signal may have interrupted a holder of the engine's locks
+            stop = threading.Thread(
+                target=self.engine.stop_admission,
+                args=(f"the server is shutting down ({signal.Signals(sig).name})",),
+                name="phalanx-stop",
+                daemon=True,
+            )
+            stop.start()
+        self._handle_exit(sig, frame)
+
+
+def _serve(
+    args: argparse.Namespace, engine: Any, sock: socket.socket, model_dir: Path, name: str | None, tp: int
+) -> None:
+    import uvicorn
+
+    from server.app import create_app
+
+    app = create_app(engine, model_dir, name, args.default_max_tokens, args.max_body_bytes)
+    model = app.state.phalanx.model_name
+    host, port = sock.getsockname()[:2]
+    base = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+    print(f"phalanx serving {model!r} (tp={tp}, {args.device}) on {base}", flush=True)
+    print(f"try: {curl_line(base, model)}", flush=True)
+    note = eager_decode_note(args.device, args.cuda_graph)
+    if note:
+        print(note, flush=True)
+    # The app has no lifespan handlers. With them on, the SIGINT that uvicorn re-raises after
+    # draining could cancel the lifespan task mid-shutdown, which logged a spurious traceback.
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_grace, lifespan="off"
+        )
+    )
+    _StoppingServer(server, engine)
+    try:  # uvicorn drains, then re-raises the signal it stopped on (the CLI's StopSignal)
+        server.run(sockets=[sock])
+    except (KeyboardInterrupt, StopSignal) as stop:
+        stopped_by = "SIGINT" if isinstance(stop, KeyboardInterrupt) else str(stop)
+        print(
+            f"phalanx serve: stopped by {stopped_by}; shutting the replica down", file=sys.stderr, flush=True
+        )

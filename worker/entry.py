@@ -3,6 +3,7 @@ so the coordinator can name it without importing torch."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -14,11 +15,18 @@ import time
 SIGTERM_GRACE_S = 10.0
 
 
-def _exit_when_orphaned(parent_pid: int) -> None:
-    """A rank whose coordinator died (even by SIGKILL) must not linger: it exits on its own."""
+def _exit_when_orphaned(parent_pid: int, coordinator: str) -> None:
+    """A rank whose coordinator died (even by SIGKILL) must not linger: it exits on its own, and
+    removes the coordinator's ipc socket and its private directory, which nobody else would."""
     while True:
         time.sleep(1.0)
         if os.getppid() != parent_pid:
+            if coordinator.startswith("ipc://"):
+                socket_path = coordinator.removeprefix("ipc://")
+                with contextlib.suppress(OSError):  # the other ranks race to do the same
+                    os.unlink(socket_path)
+                with contextlib.suppress(OSError):  # only if empty: never anything but ours
+                    os.rmdir(os.path.dirname(socket_path))
             os._exit(4)
 
 
@@ -76,7 +84,10 @@ def spawn_main(config_json: bytes) -> None:
 
     config = decode_config(config_json)
     _leave_after_sigterm(SIGTERM_GRACE_S, config.rank)
-    threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
+    orphan_watch = threading.Thread(
+        target=_exit_when_orphaned, args=(os.getppid(), config.coordinator), daemon=True
+    )
+    orphan_watch.start()
     from worker.main import run_worker
 
     code = run_worker(config)
