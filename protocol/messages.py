@@ -7,11 +7,19 @@ one msgpack object per token.
 
 Lifecycle of a rank, as seen on the wire::
 
-    rank  -> coordinator   Ready(capacity) | Failed(phase="startup:...")
+    rank  -> coordinator   Hello                        (signed: the rank's claim of its identity)
+    coord -> that peer     Challenge(nonce)             (epoch: this launch's)
+    rank  -> coordinator   Ready(capacity, nonce) | Failed(phase="startup:...")
     coord -> every rank    Go(effective capacity, dist init) | Cancel(reason)
     coord -> every rank    Envelope(Ping | Prefill | Decode | Unified | DropRequest | Precapture)*
     rank  -> coordinator   ReplyEnvelope(Ack | DropAck | PrefillDone | DecodeDone | UnifiedDone | Failed)
     coord -> every rank    Envelope(Shutdown)   (answered with Ack, then the rank exits)
+
+The handshake binds a rank to the connection it speaks on: the coordinator answers each signed
+Hello with a fresh nonce for that connection only, and takes the first Ready that is signed by the
+rank, carries this launch's epoch and echoes the nonce sent on the same connection; from then on
+that rank's commands go to that connection alone. A second claim of a bound rank, a Ready whose
+nonce does not match (a replayed hello) and a peer that never sent a signed Hello get nothing.
 
 Rank 0 is the primary: it samples and returns the token payloads; every other rank answers a
 Prefill/Decode/Unified with Ack. A DropRequest is answered with DropAck by every rank.
@@ -40,7 +48,8 @@ from typing import Annotated
 
 import msgspec
 
-# 2: pipelined decode (FED_TOKEN rows); 3: a prefill feeds the first decode; 4: bounded values
+# 2: pipelined decode (FED_TOKEN rows); 3: a prefill feeds the first decode;
+# 4: bounded values, the Hello / Challenge handshake
 PROTOCOL_VERSION = 4
 
 INT32_MAX = (1 << 31) - 1
@@ -96,13 +105,26 @@ class Capacity(msgspec.Struct, frozen=True):
 # ---------------------------------------------------------------------------------------------
 
 
+class Hello(msgspec.Struct, frozen=True, tag="hello", tag_field="op"):
+    """A rank's first frame on its connection: it claims its rank (the envelope's, signed)."""
+
+
+class Challenge(msgspec.Struct, frozen=True, tag="challenge", tag_field="op"):
+    """The answer to a Hello, on that connection only: its Ready must echo ``nonce``."""
+
+    nonce: bytes
+
+
 class Ready(msgspec.Struct, frozen=True, tag="ready", tag_field="op"):
-    """A rank bound its device, loaded its shard and sized its capacity."""
+    """A rank bound its device, loaded its shard and sized its capacity. ``nonce`` is its
+    connection's Challenge, so a Ready recorded in another launch or on another connection is
+    refused."""
 
     capacity: Capacity
     device: str
     pid: int
     host: str
+    nonce: bytes = b""
 
 
 class Go(msgspec.Struct, frozen=True, tag="go", tag_field="op"):
@@ -244,7 +266,7 @@ class Shutdown(msgspec.Struct, frozen=True, tag="shutdown", tag_field="op"):
 
 
 Command = Ping | Prefill | Decode | Unified | DropRequest | Precapture | Shutdown
-CoordinatorMessage = Command | Go | Cancel
+CoordinatorMessage = Command | Challenge | Go | Cancel
 
 # ---------------------------------------------------------------------------------------------
 # Replies (every rank -> coordinator)
@@ -298,7 +320,7 @@ class Failed(msgspec.Struct, frozen=True, tag="failed", tag_field="op"):
 
 
 Reply = Ack | DropAck | PrefillDone | DecodeDone | UnifiedDone | Failed
-RankMessage = Reply | Ready | Heartbeat
+RankMessage = Reply | Hello | Ready | Heartbeat
 
 # Names used in validation error texts ("... returned {name} instead of ...").
 REPLY_NAMES: dict[type, str] = {
@@ -308,6 +330,7 @@ REPLY_NAMES: dict[type, str] = {
     DecodeDone: "decode result",
     UnifiedDone: "unified result",
     Failed: "failure",
+    Hello: "hello",
     Ready: "ready",
     Heartbeat: "heartbeat",
 }

@@ -1,8 +1,9 @@
 """ZeroMQ sockets between the coordinator and its ranks, and where their addresses live.
 
 Topology: the coordinator binds one ROUTER socket; every rank connects one DEALER socket (and,
-when it sends heartbeats, a second DEALER on its own thread). The ROUTER learns each rank's
-identity from the first frame it sends (Ready), then addresses commands to that identity.
+when it sends heartbeats, a second DEALER on its own thread), each with a random identity. The
+coordinator learns which identity is which rank from the rank's signed handshake (Hello, then a
+Ready that echoes the connection's Challenge), then addresses that rank's commands to it alone.
 
 Addresses are ``ipc://`` paths in a private 0700 runtime directory by default (removed on exit),
 or ``tcp://host:port`` when ranks run on other machines.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import secrets
 import shutil
 import tempfile
 
@@ -32,7 +34,8 @@ class Framer:
     def seal(self, payload: bytes) -> list[bytes]:
         return [payload]
 
-    def open(self, frames: list[bytes]) -> bytes:
+    def open(self, frames: list[bytes], peer: bytes = b"") -> bytes:
+        """``peer``: the sender's identity, where the socket knows it (a ROUTER)."""
         if len(frames) != 1:
             raise ProtocolError(ProtocolError.UNDECODABLE, f"expected 1 frame, got {len(frames)}")
         return frames[0]
@@ -71,9 +74,9 @@ class CoordinatorSocket:
         self._context = zmq.Context.instance()
         self._framer = framer or Framer()
         self.socket = _socket(self._context, zmq.ROUTER)
-        # A send to a peer that is gone raises instead of being dropped silently.
+        # A send to a peer that is gone raises instead of being dropped silently. A second peer
+        # with an identity already connected is refused (no handover): nobody takes over a rank.
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.socket.bind(address)
         self.address: str = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self.dropped_frames = 0
@@ -88,9 +91,14 @@ class CoordinatorSocket:
         return self.recv_ready()
 
     def recv_ready(self) -> tuple[bytes, bytes]:
-        """Receive a message known to be waiting; raises ProtocolError for a bad framing."""
+        """Receive a message known to be waiting; raises ProtocolError (its ``peer`` set) for a bad
+        framing."""
         identity, *frames = self.socket.recv_multipart()
-        return identity, self._framer.open(frames)
+        try:
+            return identity, self._framer.open(frames, identity)
+        except ProtocolError as exc:
+            exc.peer = identity
+            raise
 
     def close(self) -> None:
         self.socket.close(linger=0)
@@ -139,6 +147,12 @@ class RankSocket:
             self.socket.disable_monitor()
             self.monitor.close(linger=0)
         self.socket.close(linger=linger_ms)
+
+
+def connection_identity(name: str) -> bytes:
+    """A ZeroMQ identity no other peer can guess: ``name`` plus 64 random bits. The coordinator
+    routes to a rank by the identity its signed handshake came from, never by a claimed name."""
+    return f"{name}-{secrets.token_hex(8)}".encode()
 
 
 def tcp_address(host: str, port: int) -> str:

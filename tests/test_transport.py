@@ -48,7 +48,7 @@ class _Tagged(Framer):
     def seal(self, payload: bytes) -> list[bytes]:
         return [b"tag", payload]
 
-    def open(self, frames: list[bytes]) -> bytes:
+    def open(self, frames: list[bytes], peer: bytes = b"") -> bytes:
         if frames[:1] != [b"tag"]:
             raise ProtocolError(ProtocolError.UNAUTHENTICATED, "missing tag")
         return frames[1]

@@ -50,6 +50,7 @@ from protocol import PROTOCOL_VERSION, ProtocolError, decode_envelope, decode_re
 from protocol.messages import (
     Ack,
     Cancel,
+    Challenge,
     Decode,
     DecodeRow,
     DropRequest,
@@ -219,7 +220,7 @@ class FaultySocket:
             envelope = decode_envelope(frame)
         except ProtocolError:
             return frame
-        if envelope.proto != PROTOCOL_VERSION or isinstance(envelope.body, Go | Cancel | Shutdown):
+        if envelope.proto != PROTOCOL_VERSION or isinstance(envelope.body, Challenge | Go | Cancel | Shutdown):
             return frame
         for fault in _due("command", self._rank):
             if fault.action == "slot_mismatch":
