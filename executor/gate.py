@@ -164,7 +164,12 @@ def _await_first_ping(link: RankLink, epoch: int, deadline: float, timeout: floa
 
 
 def run_startup_gate(
-    link: RankLink, epoch: int, timeout: float, dist_init_method: str, dist_backend: str
+    link: RankLink,
+    epoch: int,
+    timeout: float,
+    dist_init_method: str,
+    dist_backend: str,
+    collective_timeout: float = 0.0,
 ) -> Capacity:
     """Returns the effective capacity once every rank serves; raises StartupError otherwise
     (after sending Cancel to the ranks that are waiting for a decision)."""
@@ -182,6 +187,12 @@ def run_startup_gate(
                     log.warning("cancel not delivered", cancel_rank=rank.rank, error=str(send_error))
         raise
     log.info("startup gate open", capacity=capacity)
-    link.broadcast(encode(Envelope(PROTOCOL_VERSION, epoch, 0, Go(capacity, dist_init_method, dist_backend))))
+    link.broadcast(
+        encode(
+            Envelope(
+                PROTOCOL_VERSION, epoch, 0, Go(capacity, dist_init_method, dist_backend, collective_timeout)
+            )
+        )
+    )
     _await_first_ping(link, epoch, deadline, timeout)
     return capacity

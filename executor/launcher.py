@@ -28,6 +28,10 @@ __all__ = ["ExecutorConfig", "launch_executor"]
 
 log = structlog.get_logger("phalanx.executor")
 
+# Collectives time out before the step does: a rank waiting for a hung peer then fails in time
+# for the coordinator to name the peer (the one that did not answer) within the step's deadline.
+COLLECTIVE_SHARE_OF_STEP = 0.8
+
 
 def _free_tcp_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
@@ -96,7 +100,14 @@ def launch_executor(config: ExecutorConfig) -> Executor:
     link = RankLink(sock, ranks, config.heartbeat_timeout, trace)
     backend = "nccl" if config.device == "cuda" else "gloo"
     try:
-        capacity = run_startup_gate(link, epoch, config.startup_timeout, dist_init_method, backend)
+        capacity = run_startup_gate(
+            link,
+            epoch,
+            config.startup_timeout,
+            dist_init_method,
+            backend,
+            collective_timeout=config.step_timeout * COLLECTIVE_SHARE_OF_STEP,
+        )
     except BaseException as exc:
         stopped = not isinstance(exc, Exception)  # Ctrl-C or SIGTERM: the caller reports the stop
         if stopped:  # nothing a starting rank holds is worth waiting for

@@ -55,6 +55,12 @@ log = structlog.get_logger("phalanx.executor")
 T = TypeVar("T")
 
 
+def _timed_out(message: str) -> bool:
+    """Whether a rank's failure is a collective's timeout (gloo: "Timed out", NCCL: "timeout")."""
+    text = message.lower()
+    return "timed out" in text or "timeout" in text
+
+
 @dataclass(frozen=True)
 class InFlight:
     """A command sent to every rank whose replies are not collected yet."""
@@ -249,7 +255,15 @@ class Executor:
                     self._collections.get(reply.seq, collection).offer(reply)
             except RankFailed as exc:
                 killed = self._link.killed_peer(exc.rank)
-                self._fail(str(exc) if killed is None else f"{killed.death(0.0)} during {op}")
+                if killed is not None:
+                    self._fail(f"{killed.death(0.0)} during {op}")
+                silent = [rank for rank in collection.missing_ranks() if rank != exc.rank]
+                if silent and _timed_out(exc.failed.message):  # it waited for them in a collective
+                    self._fail(
+                        f"{op}: ranks {silent} did not answer (rank {exc.rank} timed out waiting for them:"
+                        f" {exc.failed.message})"
+                    )
+                self._fail(str(exc))
             if not collection.done:
                 # A rank that already answered may leave (Shutdown); only a silent one is dead.
                 dead = self._link.first_death(among=collection.missing_ranks())

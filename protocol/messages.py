@@ -128,11 +128,16 @@ class Ready(msgspec.Struct, frozen=True, tag="ready", tag_field="op"):
 
 
 class Go(msgspec.Struct, frozen=True, tag="go", tag_field="op"):
-    """Start distributed init with this effective capacity (the minimum over ranks)."""
+    """Start distributed init with this effective capacity (the minimum over ranks).
+
+    ``collective_timeout`` (seconds; 0: the rank's own startup timeout) bounds every collective of
+    the process group. The coordinator sets it below its step timeout, so that a rank left waiting
+    for a hung peer fails (and the coordinator names the peer) before the step's deadline."""
 
     capacity: Capacity
     dist_init_method: str
     dist_backend: str
+    collective_timeout: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
 
 
 class Cancel(msgspec.Struct, frozen=True, tag="cancel", tag_field="op"):

@@ -9,57 +9,15 @@ import json
 import os
 import re
 import signal
-import threading
 import time
 from pathlib import Path
 
-import httpx
 import pytest
-from live_server import Served, serve_process
-
-LONG = {"prompt": [1, 2, 3], "max_tokens": 1500, "temperature": 0, "ignore_eos": True}
+from live_server import InFlight, rank_pids, serve_process, wait_for_metric
 
 
 def _args(model_dir: Path, *extra: str) -> list[str]:
     return ["--model", str(model_dir), "--tp", "2", "--kv-pages", "128", *extra]
-
-
-class _InFlight:
-    """One long request on a thread of its own: what came back, and when its first token did."""
-
-    def __init__(self, url: str, stream: bool) -> None:
-        self.lines: list[str] = []
-        self.status: int | None = None
-        self.first_token = threading.Event()
-        self.ended = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(url, stream), daemon=True)
-        self._thread.start()
-
-    def _run(self, url: str, stream: bool) -> None:
-        try:
-            with httpx.stream(
-                "POST", url + "/v1/completions", json={**LONG, "stream": stream}, timeout=60
-            ) as r:
-                self.status = r.status_code
-                for line in r.iter_lines():
-                    if line:
-                        self.lines.append(line)
-                        self.first_token.set()
-        finally:
-            self.first_token.set()
-            self.ended.set()
-
-
-def _wait_running(served: Served) -> None:
-    deadline = time.monotonic() + 30
-    while "phalanx_requests_running 1.0" not in httpx.get(served.url + "/metrics").text:
-        assert time.monotonic() < deadline, "the request never started"
-        time.sleep(0.05)
-
-
-def _rank_pids(server_pid: int) -> list[int]:
-    children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
-    return [int(pid) for pid in children if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
 
 
 @pytest.mark.parametrize(("stop", "stream"), [("SIGINT", True), ("SIGTERM", False)])
@@ -68,11 +26,11 @@ def test_a_stop_ends_every_open_request_at_once(
 ) -> None:
     log_path = tmp_path / "serve.log"
     with serve_process(_args(tiny_model_dir), log_path, new_session=True) as served:
-        request = _InFlight(served.url, stream)
+        request = InFlight(served.url, stream)
         if stream:
             assert request.first_token.wait(30)
         else:
-            _wait_running(served)
+            wait_for_metric(served.url, "phalanx_requests_running", 1.0)
         sent = time.monotonic()
         os.killpg(served.process.pid, signal.Signals[stop])  # as a terminal or systemd sends it
         assert served.process.wait(30) == 0
@@ -96,9 +54,9 @@ def test_a_stop_ends_every_open_request_at_once(
 def test_a_stop_with_hung_ranks_kills_them_after_the_grace(tiny_model_dir: Path, tmp_path: Path) -> None:
     log_path = tmp_path / "serve.log"
     with serve_process(_args(tiny_model_dir, "--shutdown-grace", "2"), log_path) as served:
-        request = _InFlight(served.url, stream=True)
+        request = InFlight(served.url, stream=True)
         assert request.first_token.wait(30)
-        ranks = _rank_pids(served.process.pid)
+        ranks = rank_pids(served.process.pid)
         assert len(ranks) == 2
         for pid in ranks:
             os.kill(pid, signal.SIGSTOP)

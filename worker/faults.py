@@ -220,7 +220,9 @@ class FaultySocket:
             envelope = decode_envelope(frame)
         except ProtocolError:
             return frame
-        if envelope.proto != PROTOCOL_VERSION or isinstance(envelope.body, Challenge | Go | Cancel | Shutdown):
+        if envelope.proto != PROTOCOL_VERSION or isinstance(
+            envelope.body, Challenge | Go | Cancel | Shutdown
+        ):
             return frame
         for fault in _due("command", self._rank):
             if fault.action == "slot_mismatch":

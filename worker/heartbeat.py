@@ -62,7 +62,9 @@ class HeartbeatThread:
         # ZMTP pings notice a coordinator host that vanished without closing the connection.
         options = {zmq.HEARTBEAT_IVL: 1000, zmq.HEARTBEAT_TIMEOUT: 3000}
         events = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
-        sock = RankSocket(self._address, connection_identity(f"heartbeat-{self._rank}"), self._framer, options, events)
+        sock = RankSocket(
+            self._address, connection_identity(f"heartbeat-{self._rank}"), self._framer, options, events
+        )
         monitor = sock.monitor
         disconnected_since: float | None = time.monotonic()  # until the first connection
         try:

@@ -128,7 +128,7 @@ def _init_distributed(config: WorkerConfig, go: Go, device: torch.device) -> Non
             init_method=go.dist_init_method,
             rank=config.rank,
             world_size=config.world_size,
-            timeout=timedelta(seconds=config.dist_init_timeout),
+            timeout=timedelta(seconds=go.collective_timeout or config.dist_init_timeout),
             device_id=device if device.type == "cuda" else None,
         )
         # The rendezvous alone does not prove the links work: one collective does.
