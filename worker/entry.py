@@ -3,8 +3,8 @@ so the coordinator can name it without importing torch."""
 
 from __future__ import annotations
 
-import contextlib
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -17,16 +17,14 @@ SIGTERM_GRACE_S = 10.0
 
 def _exit_when_orphaned(parent_pid: int, coordinator: str) -> None:
     """A rank whose coordinator died (even by SIGKILL) must not linger: it exits on its own, and
-    removes the coordinator's ipc socket and its private directory, which nobody else would."""
+    removes the coordinator's private directory (its ipc socket, the rendezvous file), which
+    nobody else would."""
     while True:
         time.sleep(1.0)
         if os.getppid() != parent_pid:
-            if coordinator.startswith("ipc://"):
-                socket_path = coordinator.removeprefix("ipc://")
-                with contextlib.suppress(OSError):  # the other ranks race to do the same
-                    os.unlink(socket_path)
-                with contextlib.suppress(OSError):  # only if empty: never anything but ours
-                    os.rmdir(os.path.dirname(socket_path))
+            runtime_dir = os.path.dirname(coordinator.removeprefix("ipc://"))
+            if coordinator.startswith("ipc://") and os.path.basename(runtime_dir).startswith("phalanx-"):
+                shutil.rmtree(runtime_dir, ignore_errors=True)  # the other ranks race to do the same
             os._exit(4)
 
 
