@@ -91,12 +91,17 @@ class Generation:
                     return
                 elif isinstance(event, ErrorEvent):
                     ended = self._ended()
-                    self._metrics.finished("error")
+                    self._metrics.finished(
+                        "error", prompt_tokens=self._prompt_tokens, completion_tokens=timing.count
+                    )
                     raise GenerationError(event.message)
         finally:
             if not ended:  # the consumer left early: a client disconnect or a cancelled task
                 self._engine.cancel(self.request_id)
-                self._metrics.finished("cancelled")
+                # the tokens it was sent were generated all the same
+                self._metrics.finished(
+                    "cancelled", prompt_tokens=self._prompt_tokens, completion_tokens=timing.count
+                )
 
     def _ended(self) -> bool:
         self._cancel_if_dropped.detach()
