@@ -81,6 +81,7 @@ class EngineExecutor(StepExecutor, Protocol):
 
     model_info: Any
     poison_reason: str | None
+    rejected_frames: int
 
     def ping(self) -> None: ...
 
@@ -179,6 +180,11 @@ class Engine:
 
     def stats(self) -> EngineStats:
         return self._stats
+
+    @property
+    def rejected_frames(self) -> int:
+        """Frames from the ranks' side that the coordinator dropped (forged, undecodable, ...)."""
+        return self._executor.rejected_frames
 
     @property
     def closed_reason(self) -> str | None:

@@ -13,6 +13,7 @@ import zmq
 from executor.ranks import RankHandle
 from protocol import PROTOCOL_VERSION, ProtocolError, decode_reply, encode
 from protocol.messages import Cancel, Envelope, Heartbeat, ReplyEnvelope
+from protocol.rejections import RejectionLog
 from protocol.trace import TraceWriter
 from protocol.transport import CoordinatorSocket
 
@@ -52,12 +53,17 @@ class RankLink:
         self.trace = trace  # records every frame sent and received (``--record``)
         self.ranks = ranks
         self.heartbeat_timeout = heartbeat_timeout
-        self.rejected_frames = 0
+        self.rejections = RejectionLog(log, "reply frame rejected")
         self._poller = zmq.Poller()
         self._poller.register(sock.socket, zmq.POLLIN)
         for rank in ranks:
             if rank.sentinel is not None:
                 self._poller.register(rank.sentinel, zmq.POLLIN)
+
+    @property
+    def rejected_frames(self) -> int:
+        """Frames dropped so far: undecodable, unauthenticated, foreign, or from no rank."""
+        return self.rejections.total
 
     def send_to_peer(self, peer: bytes, payload: bytes) -> None:
         """Send to a connection not bound to a rank (yet): a Challenge, or a Cancel."""
@@ -109,13 +115,7 @@ class RankLink:
             except ProtocolError as exc:
                 if startup and exc.cause == "bad_tag" and exc.peer is not None:
                     raise KeyMismatch(exc.peer, exc.detail) from None
-                self.rejected_frames += 1
-                log.warning(
-                    "reply frame rejected",
-                    reason=exc.reason,
-                    detail=exc.detail,
-                    rejected=self.rejected_frames,
-                )
+                self.rejections.record(exc.reason, detail=exc.detail)
                 continue
             if 0 <= reply.rank < len(self.ranks):
                 self.ranks[reply.rank].heard()

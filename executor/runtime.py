@@ -101,6 +101,11 @@ class Executor:
         return self._poison.reason
 
     @property
+    def rejected_frames(self) -> int:
+        """Frames the coordinator dropped: undecodable, unauthenticated, foreign, from no rank."""
+        return self._link.rejected_frames
+
+    @property
     def address(self) -> str:
         return self._link.sock.address
 

@@ -14,8 +14,8 @@ Spawned ranks get a fresh random key per launch (:func:`new_key`), so frames rec
 launch never verify in another. Ranks started elsewhere (torchrun, SLURM) derive the key from the
 shared secret in ``PHALANX_SECRET`` (:func:`key_from_secret`); they cannot know the launch before
 its Go, so a frame of an earlier launch is refused by its foreign epoch instead.
-Every rejected frame raises ``ProtocolError(UNAUTHENTICATED)``, is counted in ``drops`` and is
-logged (the first few in full, then a summary at most once a second).
+Every rejected frame raises ``ProtocolError(UNAUTHENTICATED)`` and is counted in ``drops``; the
+receiver logs it at a bounded rate (``protocol.rejections``).
 """
 
 from __future__ import annotations
@@ -27,10 +27,7 @@ import os
 import secrets
 import struct
 import threading
-import time
 from collections.abc import Iterable
-
-import structlog
 
 from protocol.errors import ProtocolError
 from protocol.transport import Framer
@@ -45,9 +42,6 @@ SECRET_ENV = "PHALANX_SECRET"
 _HEADER = struct.Struct("<BIQ")
 _WINDOW_MASK = (1 << REPLAY_WINDOW) - 1
 OVERHEAD = _HEADER.size + TAG_BYTES
-_DETAILED_LOG_LINES = 10
-
-log = structlog.get_logger("phalanx.auth")
 
 
 def new_key() -> bytes:
@@ -143,7 +137,6 @@ class FrameAuthenticator(Framer):
         self._lock = threading.Lock()
         self.accepted = 0
         self.drops: collections.Counter[str] = collections.Counter()
-        self._last_summary = 0.0
 
     @property
     def dropped(self) -> int:
@@ -192,17 +185,7 @@ class FrameAuthenticator(Framer):
         return self.verify(frames[0], peer)
 
     def _drop(self, reason: str, detail: str) -> None:
+        """Count the frame and raise; the receiver logs it (``protocol.rejections``)."""
         with self._lock:
             self.drops[reason] += 1
-            total = sum(self.drops.values())
-            now = time.monotonic()
-            summarise = total > _DETAILED_LOG_LINES and now - self._last_summary >= 1.0
-            if summarise:
-                self._last_summary = now
-        if total <= _DETAILED_LOG_LINES:
-            log.warning("frame dropped", endpoint=sender_name(self.sender), reason=reason, detail=detail)
-        elif summarise:
-            log.warning(
-                "frames dropped", endpoint=sender_name(self.sender), total=total, by_reason=dict(self.drops)
-            )
         raise ProtocolError(ProtocolError.UNAUTHENTICATED, detail, cause=reason)

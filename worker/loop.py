@@ -38,6 +38,7 @@ from protocol.messages import (
     Shutdown,
     Unified,
 )
+from protocol.rejections import RejectionLog
 from protocol.transport import RankSocket
 from worker.commands import PendingStep, StepRunner
 from worker.errors import WorkerStateError
@@ -72,7 +73,8 @@ class CommandLoop:
         self.epoch = epoch
         self.runner = runner
         self.last_seq = 0
-        self.rejected_frames = 0
+        self.rejections = RejectionLog(log, "frame rejected")
+        self.stale_commands = 0
         self.poison_reason: str | None = None
         self._pending: tuple[int, PendingStep] | None = None  # rank 0: a step not yet answered
         self.handlers: dict[type, Callable[[Any], Reply | PendingStep]] = {
@@ -84,6 +86,10 @@ class CommandLoop:
             Precapture: self._precapture,
             Shutdown: lambda _command: Ack(),
         }
+
+    @property
+    def rejected_frames(self) -> int:
+        return self.rejections.total + self.stale_commands
 
     def register(self, command_type: type, handler: Callable[[Any], Reply | PendingStep]) -> None:
         self.handlers[command_type] = handler
@@ -181,17 +187,14 @@ class CommandLoop:
             except _Poisoned:
                 return EXIT_POISONED
             except ProtocolError as exc:
-                self.rejected_frames += 1
-                log.warning(
-                    "frame rejected", reason=exc.reason, detail=exc.detail, rejected=self.rejected_frames
-                )
+                self.rejections.record(exc.reason, detail=exc.detail)
                 continue
             if isinstance(envelope.body, Cancel):
                 # The coordinator gave up on this replica (poison elsewhere): leave without a reply.
                 log.warning("cancelled by the coordinator", reason=envelope.body.reason)
                 return EXIT_CANCELLED
             if envelope.seq <= self.last_seq:
-                self.rejected_frames += 1
+                self.stale_commands += 1
                 log.warning("stale command rejected", command_seq=envelope.seq, last_seq=self.last_seq)
                 continue
             self.last_seq = envelope.seq
