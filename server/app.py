@@ -46,9 +46,7 @@ def create_app(
     except ChatTemplateError as e:
         log.warning("no chat template: /v1/chat/completions will refuse requests", reason=str(e))
         template = None
-    metrics = ServerMetrics(
-        engine.stats, lambda: engine.poison_reason is not None, lambda: engine.rejected_frames
-    )
+    metrics = ServerMetrics(engine)
     app = FastAPI(title="phalanx", docs_url=None, redoc_url=None)
     app.state.phalanx = ServerState(
         engine=engine,

@@ -7,30 +7,23 @@ scrape time, so it is never stale.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from executor.engine import EngineStats
+from executor.engine import Engine
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 class _EngineCollector(Collector):
-    def __init__(
-        self,
-        stats: Callable[[], EngineStats],
-        poisoned: Callable[[], bool],
-        rejected_frames: Callable[[], int],
-    ) -> None:
-        self._stats = stats
-        self._poisoned = poisoned
-        self._rejected_frames = rejected_frames
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
 
     def collect(self) -> Iterator[Metric]:
-        s = self._stats()
+        s = self._engine.stats()
         gauges = {
             "phalanx_requests_running": ("requests holding a slot or prefilling", s.running),
             "phalanx_requests_waiting": ("requests queued for admission", s.waiting),
@@ -39,7 +32,10 @@ class _EngineCollector(Collector):
             "phalanx_slots_used": ("decode slots in use", s.slots_used),
             "phalanx_slots_total": ("decode slots", s.slots_total),
             "phalanx_last_step_seconds": ("latency of the last engine step", s.last_step_seconds),
-            "phalanx_engine_poisoned": ("1 once the engine is poisoned", int(self._poisoned())),
+            "phalanx_engine_poisoned": (
+                "1 once the engine is poisoned",
+                int(self._engine.poison_reason is not None),
+            ),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
@@ -47,17 +43,12 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily(
             "phalanx_rejected_frames",
             "control frames the coordinator dropped (forged, undecodable, foreign, from no rank)",
-            value=self._rejected_frames(),
+            value=self._engine.rejected_frames,
         )
 
 
 class ServerMetrics:
-    def __init__(
-        self,
-        stats: Callable[[], EngineStats],
-        poisoned: Callable[[], bool],
-        rejected_frames: Callable[[], int],
-    ) -> None:
+    def __init__(self, engine: Engine) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "phalanx_requests", "finished requests by outcome", ["outcome"], registry=self.registry
@@ -79,7 +70,7 @@ class ServerMetrics:
         self.generation_tokens = Counter(
             "phalanx_generation_tokens", "generated tokens", registry=self.registry
         )
-        self.registry.register(_EngineCollector(stats, poisoned, rejected_frames))
+        self.registry.register(_EngineCollector(engine))
 
     def finished(
         self,
