@@ -5,10 +5,7 @@ refused and logged once, and a rank with another secret fails on both sides with
 
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -22,46 +19,14 @@ from executor.runtime import Executor
 from protocol import PROTOCOL_VERSION, ProtocolError, decode_envelope, encode
 from protocol.auth import key_from_secret, rank_authenticator
 from protocol.messages import Capacity, Hello, Ready, ReplyEnvelope
-from tests.runtime_helpers import chunk, row, small_config
+from tests.runtime_helpers import chunk, free_port, row, small_config, start_attached_rank
 
-REPO = Path(__file__).resolve().parent.parent
 SECRET = "peer-identity-test-shared-secret"
 PROMPT = [9, 99, 199, 299]
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def _start_rank(
-    rank: int, world_size: int, model_dir: Path, coordinator: str, master_port: int, secret: str, log: Path
-) -> subprocess.Popen:
-    env = dict(
-        os.environ,
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(master_port),
-        PHALANX_SECRET=secret,
-    )
-    env.pop("PHALANX_TEST_FAULT", None)
-    command = [
-        sys.executable,
-        "-m",
-        "tools",
-        "worker",
-        "--model",
-        str(model_dir),
-        "--coordinator",
-        coordinator,
-    ]
-    command += ["--device", "cpu", "--kv-pages", "32", "--page-size", "4", "--max-slots", "4"]
-    command += ["--max-batch-tokens", "128", "--heartbeat-interval", "0.3"]
-    with log.open("w") as out:
-        return subprocess.Popen(command, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+def _rank(rank: int, model_dir: Path, address: str, master_port: int, log: Path) -> subprocess.Popen:
+    return start_attached_rank(rank, model_dir, address, master_port, 2, "--log-level", "info", log=log)
 
 
 def _stop(processes: list[subprocess.Popen]) -> None:
@@ -107,7 +72,7 @@ def test_an_intruder_gets_no_command_and_a_second_claim_is_refused(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("PHALANX_SECRET", SECRET)
-    port, master_port = _free_port(), _free_port()
+    port, master_port = free_port(), free_port()
     address = f"tcp://127.0.0.1:{port}"
     config = small_config(tiny_model_dir, 2, transport="tcp", attach=True, port=port)
     launched: list[Executor] = []
@@ -116,11 +81,11 @@ def test_an_intruder_gets_no_command_and_a_second_claim_is_refused(
     intruder = _intruder(address)
     # rank 1 started twice (a launch line run twice): the first Ready binds, the second is refused
     logs = [tmp_path / "rank1.log", tmp_path / "rank1-again.log"]
-    ranks = [_start_rank(1, 2, tiny_model_dir, address, master_port, SECRET, log) for log in logs]
+    ranks = [_rank(1, tiny_model_dir, address, master_port, log) for log in logs]
     try:
         for log in logs:
             _wait_logged(log, "ready")
-        ranks.append(_start_rank(0, 2, tiny_model_dir, address, master_port, SECRET, tmp_path / "rank0.log"))
+        ranks.append(_rank(0, tiny_model_dir, address, master_port, tmp_path / "rank0.log"))
         coordinator.join(60)
         (ex,) = launched
         try:
@@ -143,10 +108,12 @@ def test_a_wrong_secret_fails_on_both_sides_within_seconds(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("PHALANX_SECRET", SECRET)
-    port = _free_port()
+    port = free_port()
     address = f"tcp://127.0.0.1:{port}"
     rank_log = tmp_path / "rank0.log"
-    rank = _start_rank(0, 1, tiny_model_dir, address, _free_port(), "another-secret-of-16-bytes", rank_log)
+    rank = start_attached_rank(
+        0, tiny_model_dir, address, free_port(), 1, secret="another-secret-of-16-bytes", log=rank_log
+    )
     started = time.monotonic()
     try:
         with pytest.raises(StartupError) as failed:
