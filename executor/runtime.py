@@ -263,10 +263,10 @@ class Executor:
                 if killed is not None:
                     self._fail(f"{killed.death(0.0)} during {op}")
                 silent = [rank for rank in collection.missing_ranks() if rank != exc.rank]
-                if silent and _timed_out(exc.failed.message):  # it waited for them in a collective
+                if silent and _timed_out(exc.message):  # it waited for them in a collective
                     self._fail(
                         f"{op}: ranks {silent} did not answer (rank {exc.rank} timed out waiting for them:"
-                        f" {exc.failed.message})"
+                        f" {exc.message})"
                     )
                 self._fail(str(exc))
             if not collection.done:

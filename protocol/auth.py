@@ -7,8 +7,8 @@ An authenticated frame is::
 The tag covers everything before it. ``sender`` is a rank, or :data:`COORDINATOR`; ``counter``
 grows by one per frame a sender signs. A receiver accepts only the senders it expects (a rank
 never accepts a frame signed by a rank, so a reply cannot be reflected back as a command) and
-keeps, per sender and connection, a sliding window of the counters it has seen: a counter seen before, or older
-than the window, is a replay and is dropped.
+keeps, per sender and connection, a sliding window of the counters it has seen: a counter seen
+before, or older than the window, is a replay and is dropped.
 
 Spawned ranks get a fresh random key per launch (:func:`new_key`), so frames recorded in one
 launch never verify in another. Ranks started elsewhere (torchrun, SLURM) derive the key from the
@@ -148,7 +148,7 @@ class FrameAuthenticator(Framer):
         return body + hmac.digest(self._key, body, "sha256")
 
     def verify(self, frame: bytes, peer: bytes = b"") -> bytes:
-        """Return the payload of an authentic, fresh frame; otherwise count, log and raise.
+        """Return the payload of an authentic, fresh frame; otherwise count and raise.
 
         Freshness is kept per connection (``peer``, the sender's ZeroMQ identity at a ROUTER): a
         frame replayed on a connection of its own cannot use up the counters of the genuine one."""

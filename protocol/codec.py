@@ -53,6 +53,25 @@ def _decode(decoder: msgspec.msgpack.Decoder, frame: bytes, epoch: int | None, w
     return message
 
 
+class _Header(msgspec.Struct):
+    proto: int
+    epoch: int
+    seq: int
+    body: msgspec.Raw
+
+
+_header_decoder = msgspec.msgpack.Decoder(_Header)
+
+
+def envelope_header(frame: bytes) -> tuple[int, int, int] | None:
+    """(proto, epoch, seq) of a command frame whose body may not decode; None if even those do not."""
+    try:
+        header = _header_decoder.decode(frame)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return None
+    return header.proto, header.epoch, header.seq
+
+
 def decode_envelope(frame: bytes, epoch: int | None = None) -> Envelope:
     """Decode a coordinator frame; ``epoch`` None accepts any epoch (a rank learning it)."""
     return _decode(_envelope_decoder, frame, epoch, "command frame")

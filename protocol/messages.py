@@ -12,7 +12,8 @@ Lifecycle of a rank, as seen on the wire::
     rank  -> coordinator   Ready(capacity, nonce) | Failed(phase="startup:...")
     coord -> every rank    Go(effective capacity, dist init) | Cancel(reason)
     coord -> every rank    Envelope(Ping | Prefill | Decode | Unified | DropRequest | Precapture)*
-    rank  -> coordinator   ReplyEnvelope(Ack | DropAck | PrefillDone | DecodeDone | UnifiedDone | Failed)
+    rank  -> coordinator   ReplyEnvelope(Ack | DropAck | PrefillDone | DecodeDone | UnifiedDone | Failed
+                                         | Refused)
     coord -> every rank    Envelope(Shutdown)   (answered with Ack, then the rank exits)
 
 The handshake binds a rank to the connection it speaks on: the coordinator answers each signed
@@ -324,7 +325,15 @@ class Failed(msgspec.Struct, frozen=True, tag="failed", tag_field="op"):
     traceback: str = ""
 
 
-Reply = Ack | DropAck | PrefillDone | DecodeDone | UnifiedDone | Failed
+class Refused(msgspec.Struct, frozen=True, tag="refused", tag_field="op"):
+    """The rank executed nothing of the command with this seq: a value in it is outside the wire
+    limits (``message`` says where). The rank changed nothing and is not poisoned; the coordinator,
+    which should never have sent it, decides what follows."""
+
+    message: str
+
+
+Reply = Ack | DropAck | PrefillDone | DecodeDone | UnifiedDone | Failed | Refused
 RankMessage = Reply | Hello | Ready | Heartbeat
 
 # Names used in validation error texts ("... returned {name} instead of ...").
@@ -335,6 +344,7 @@ REPLY_NAMES: dict[type, str] = {
     DecodeDone: "decode result",
     UnifiedDone: "unified result",
     Failed: "failure",
+    Refused: "refusal",
     Hello: "hello",
     Ready: "ready",
     Heartbeat: "heartbeat",

@@ -1,7 +1,8 @@
 """The rank's command loop: receive, decode, check, execute, reply; poison on the first failure.
 
 Frames that fail decoding (undecodable, unknown tag, wrong version, foreign epoch) and stale
-sequence numbers are dropped, counted and logged, never executed. A command that fails after it
+sequence numbers are dropped, counted and logged, never executed; a command of this launch with a
+value outside the wire limits is not executed either, and is answered Refused. A command that fails after it
 started poisons the rank: the first reason is kept, a ``Failed`` reply goes out, the loop exits
 and the process exits non-zero. The dispatch table maps each command type to a handler; other
 components (the graph runner) register theirs with :meth:`CommandLoop.register`.
@@ -22,6 +23,7 @@ from typing import Any
 import structlog
 
 from protocol import PROTOCOL_VERSION, ProtocolError, decode_envelope, encode
+from protocol.codec import envelope_header
 from protocol.messages import (
     Ack,
     Cancel,
@@ -33,6 +35,7 @@ from protocol.messages import (
     Precapture,
     Prefill,
     PrefillDone,
+    Refused,
     Reply,
     ReplyEnvelope,
     Shutdown,
@@ -123,6 +126,17 @@ class CommandLoop:
     def _reply(self, seq: int, body: Reply) -> None:
         self.sock.send(encode(ReplyEnvelope(PROTOCOL_VERSION, self.epoch, self.rank, seq, body)))
 
+    def _refuse(self, frame: bytes, detail: str) -> None:
+        """Answer a command of this launch that carries a value outside the wire limits with
+        Refused (in seq order, after any pending reply), so the coordinator learns at once rather
+        than at its step deadline; nothing of it runs, so this rank stays as it was."""
+        header = envelope_header(frame)
+        if header is None or header[1] != self.epoch or header[2] <= self.last_seq:
+            return
+        self._flush()
+        self.last_seq = header[2]
+        self._reply(header[2], Refused(f"command seq {header[2]} not executed: {detail}"))
+
     def _poison(self, seq: int, op: str, exc: BaseException) -> None:
         kind = "state" if isinstance(exc, WorkerStateError) else "execution"
         reason = f"{type(exc).__name__}: {exc}" if kind == "execution" else str(exc)
@@ -181,12 +195,16 @@ class CommandLoop:
 
     def run(self) -> int:
         while True:
+            frame = b""
             try:
                 # The framer's checks (authentication) raise ProtocolError at the receive.
-                envelope = decode_envelope(self._next_frame(), epoch=self.epoch)
+                frame = self._next_frame()
+                envelope = decode_envelope(frame, epoch=self.epoch)
             except _Poisoned:
                 return EXIT_POISONED
             except ProtocolError as exc:
+                if exc.reason == ProtocolError.OUT_OF_RANGE:
+                    self._refuse(frame, exc.detail)
                 self.rejections.record(exc.reason, detail=exc.detail)
                 continue
             if isinstance(envelope.body, Cancel):
