@@ -41,12 +41,22 @@ class Framer:
         return frames[0]
 
 
+_PREFIX = "phalanx-"
+_OWNER = "owner.pid"
+
+
 class RuntimeDir:
-    """A private (mode 0700) directory for ipc sockets; removed by :meth:`remove` or at exit."""
+    """A private (mode 0700) directory for ipc sockets; removed by :meth:`remove` or at exit.
+
+    It names its owner's pid, so that a later one removes the directories of owners that died
+    without removing theirs (a SIGKILL): see :func:`sweep_dead_runtime_dirs`."""
 
     def __init__(self) -> None:
-        self.path = tempfile.mkdtemp(prefix="phalanx-")
+        sweep_dead_runtime_dirs()
+        self.path = tempfile.mkdtemp(prefix=_PREFIX)
         os.chmod(self.path, 0o700)
+        with open(os.path.join(self.path, _OWNER), "w") as owner:
+            owner.write(str(os.getpid()))
         atexit.register(self.remove)
 
     def ipc_address(self, name: str = "control") -> str:
@@ -59,6 +69,38 @@ class RuntimeDir:
 
     def remove(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
+
+
+def sweep_dead_runtime_dirs(parent: str | None = None) -> list[str]:
+    """Remove this user's runtime directories whose owner process is gone; returns their paths.
+    A directory without an owner file, or whose owner still runs, is left alone."""
+    parent = parent or tempfile.gettempdir()
+    removed = []
+    for name in os.listdir(parent):
+        path = os.path.join(parent, name)
+        if not name.startswith(_PREFIX):
+            continue
+        try:  # another process may remove it meanwhile
+            if os.stat(path).st_uid != os.getuid():
+                continue
+            with open(os.path.join(path, _OWNER)) as owner:
+                pid = int(owner.read())
+        except (OSError, ValueError):
+            continue
+        if not _alive(pid):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _socket(context: zmq.Context, kind: int) -> zmq.Socket:

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from live_server import InFlight, rank_pids, serve_process, wait_for_metric
 
+from protocol.transport import RuntimeDir
+
 
 def _args(model_dir: Path, *extra: str) -> list[str]:
     return ["--model", str(model_dir), "--tp", "2", "--kv-pages", "128", *extra]
@@ -86,3 +88,15 @@ def test_a_killed_coordinator_leaves_no_ipc_socket(tiny_model_dir: Path, tmp_pat
         while socket_path.parent.exists():  # the orphaned ranks remove it
             assert time.monotonic() < deadline, f"{socket_path} is still there"
             time.sleep(0.1)
+
+
+def test_the_next_start_sweeps_what_a_killed_replica_left(tiny_model_dir: Path, tmp_path: Path) -> None:
+    log_path = tmp_path / "serve.log"
+    with serve_process(_args(tiny_model_dir), log_path, new_session=True) as served:
+        socket_path = Path(re.search(r"address='ipc://(\S+)'", log_path.read_text()).group(1))
+        os.killpg(served.process.pid, signal.SIGKILL)  # coordinator and ranks alike: nobody cleans up
+        served.process.wait()
+    time.sleep(0.5)
+    assert socket_path.exists()
+    RuntimeDir().remove()  # what the next launch does first
+    assert not socket_path.parent.exists()
