@@ -96,6 +96,17 @@ def test_out_of_range_field_is_a_400_naming_it(
     assert error["message"].startswith(field)
 
 
+@pytest.mark.parametrize(
+    ("raw", "field"),
+    [('"temperature": 1e400', "temperature"), ('"top_p": NaN', "top_p"), ('"seed": -Infinity', "seed")],
+)
+def test_json_beyond_finite_numbers_is_a_400(http: httpx.Client, raw: str, field: str) -> None:
+    body = '{"model": ' + json.dumps(MODEL_NAME) + ', "prompt": "hi", "max_tokens": 2, ' + raw + "}"
+    response = http.post(COMPLETIONS, content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == field
+
+
 def test_the_replica_serves_after_every_refusal(http: httpx.Client) -> None:
     for endpoint, field, value in OUT_OF_RANGE:
         http.post(endpoint, json=_body(endpoint, **{field: value}))
@@ -168,7 +179,7 @@ _ANY_JSON = st.recursive(
     | st.booleans()
     | st.integers(min_value=-(1 << 70), max_value=1 << 70)
     | st.sampled_from([0, 1, -1, 2**31 - 1, 2**31, INT64 - 1, INT64, 2**64, -(2**64)])
-    | st.floats(allow_nan=False)
+    | st.floats(allow_nan=False, allow_infinity=False)
     | st.sampled_from([0.0, 1e-308, 5e-324, 2.0, 1e308])
     | st.text(max_size=8),
     lambda inner: (
