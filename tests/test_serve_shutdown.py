@@ -72,7 +72,7 @@ def test_a_stop_with_hung_ranks_kills_them_after_the_grace(tiny_model_dir: Path,
     assert said is not None, log[-3000:]
     assert "phalanx serve: the replica did not shut down cleanly" in log
     assert "Traceback" not in log, log[-3000:]
-    assert took < 8.0, f"the stop took {took:.1f} s"
+    assert took < 10.0, f"the stop took {took:.1f} s"
 
 
 def test_a_killed_coordinator_leaves_no_ipc_socket(tiny_model_dir: Path, tmp_path: Path) -> None:
