@@ -10,14 +10,11 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 from live_server import InFlight, rank_pids, serve_process
 
 
-@pytest.mark.parametrize("hung", [1, 0])
-def test_a_stopped_rank_is_named_within_the_step_timeout(
-    tiny_model_dir: Path, tmp_path: Path, hung: int
-) -> None:
+def test_a_stopped_rank_is_named_within_the_step_timeout(tiny_model_dir: Path, tmp_path: Path) -> None:
+    hung = 1  # rank 0 waits for it in a collective, times out, and must not be taken for the culprit
     args = ["--model", str(tiny_model_dir), "--tp", "2", "--kv-pages", "128", "--step-timeout", "8"]
     with serve_process(args, tmp_path / "serve.log") as served:
         request = InFlight(served.url, stream=True)
