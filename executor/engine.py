@@ -56,6 +56,9 @@ class EngineConfig:
     kv_pages: int = 512
     page_size: int = 16
     max_batch_tokens: int = 2048
+    gpu_memory_utilization: float = 0.9
+    max_model_len: int = 0  # 0: the checkpoint's max_position_embeddings
+    dtype: str = ""  # a torch dtype name; "" picks float32 on CPU, bfloat16 on CUDA
     step_timeout: float = 300.0
     startup_timeout: float = 120.0
     cuda_graph: bool = False
@@ -70,7 +73,7 @@ class EngineConfig:
 class EngineModelInfo:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
-    max_context: int  # max_position_embeddings, bounded by what the KV pool can hold
+    max_context: int  # max_position_embeddings (or --max-model-len), bounded by what the KV pool holds
     max_position_embeddings: int
     model_name: str
     model_dir: str
@@ -101,6 +104,8 @@ def launch(config: EngineConfig) -> EngineExecutor:
         kv_pages=config.kv_pages,
         page_size=config.page_size,
         max_batch_tokens=config.max_batch_tokens,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        dtype=config.dtype,
         step_timeout=config.step_timeout,
         startup_timeout=config.startup_timeout,
         cuda_graph=config.cuda_graph,
@@ -121,6 +126,7 @@ class Engine:
         idle_ping_interval: float = 5.0,
         *,
         pipeline: bool = False,
+        max_model_len: int = 0,
     ) -> None:
         self._executor = executor
         self._idle_ping_interval = idle_ping_interval
@@ -129,7 +135,11 @@ class Engine:
         self.model_info = EngineModelInfo(
             vocab_size=info.vocab_size,
             eos_token_ids=tuple(info.eos_token_ids),
-            max_context=min(info.max_position_embeddings, capacity.kv_pages * capacity.page_size),
+            max_context=min(
+                max_model_len or info.max_position_embeddings,
+                info.max_position_embeddings,
+                capacity.kv_pages * capacity.page_size,
+            ),
             max_position_embeddings=info.max_position_embeddings,
             model_name=Path(model_dir).name or "model",
             model_dir=str(model_dir),
@@ -155,7 +165,13 @@ class Engine:
         """Launch the ranks (blocking until they serve) and start the scheduler thread."""
         executor = launcher(config)
         try:
-            return cls(executor, config.model_dir, config.idle_ping_interval, pipeline=config.pipeline)
+            return cls(
+                executor,
+                config.model_dir,
+                config.idle_ping_interval,
+                pipeline=config.pipeline,
+                max_model_len=config.max_model_len,
+            )
         except BaseException:
             executor.shutdown()
             raise

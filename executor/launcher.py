@@ -41,7 +41,13 @@ def _auth_key(config: ExecutorConfig) -> bytes | None:
 
 def _spawn_ranks(config: ExecutorConfig, address: str, epoch: int, key: bytes | None) -> list[RankHandle]:
     context = multiprocessing.get_context("spawn")
-    limits = WorkerLimits(config.kv_pages, config.page_size, config.max_slots, config.max_batch_tokens)
+    limits = WorkerLimits(
+        config.kv_pages,
+        config.page_size,
+        config.max_slots,
+        config.max_batch_tokens,
+        config.gpu_memory_utilization,
+    )
     ranks = []
     for rank in range(config.tp):
         worker_config = WorkerConfig(
@@ -57,6 +63,7 @@ def _spawn_ranks(config: ExecutorConfig, address: str, epoch: int, key: bytes | 
             dist_init_timeout=config.dist_init_timeout,
             gate_timeout=config.startup_timeout,
             log_level=config.log_level,
+            log_format=config.log_format,
             cuda_graph=config.cuda_graph,
             auth_key=key.hex() if key else "",
         )
@@ -70,7 +77,7 @@ def _spawn_ranks(config: ExecutorConfig, address: str, epoch: int, key: bytes | 
 
 def launch_executor(config: ExecutorConfig) -> Executor:
     """Start every rank and return once all serve; raises StartupError (every rank stopped)."""
-    configure_logging(config.log_level)
+    configure_logging(config.log_level, config.log_format)
     model_info = read_model_info(config.model_dir)
     epoch = secrets.randbits(62) | 1
     bind(epoch, 0)
@@ -130,7 +137,13 @@ def launch_executor(config: ExecutorConfig) -> Executor:
     try:
         if config.cuda_graph:
             precapture_decode_graphs(executor)
-        log.info("executor serving", world_size=config.tp, capacity=capacity, address=sock.address)
+        log.info(
+            "executor serving",
+            world_size=config.tp,
+            capacity=capacity,
+            address=sock.address,
+            launch_epoch=epoch,
+        )
     except BaseException:  # a failed sweep (StartupError), or Ctrl-C / SIGTERM during it
         executor.shutdown()
         raise

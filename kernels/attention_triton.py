@@ -33,8 +33,11 @@ def _split_size(seq_len, splits, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _kv_offsets(pt_row_ptr, pos, pos_mask, stride_page, stride_tok, d, PAGE: tl.constexpr):
-    """The [positions, D] element offsets of cached tokens ``pos`` within one KV head's cache."""
-    page = tl.load(pt_row_ptr + pos // PAGE, mask=pos_mask, other=0)
+    """The [positions, D] element offsets of cached tokens ``pos`` within one KV head's cache.
+
+    In 64 bits: a pool sized to the GPU holds more than 2^31 elements per layer, and the padding
+    page sits at its end."""
+    page = tl.load(pt_row_ptr + pos // PAGE, mask=pos_mask, other=0).to(tl.int64)
     return page[:, None] * stride_page + (pos % PAGE)[:, None] * stride_tok + d[None, :]
 
 

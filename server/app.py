@@ -1,5 +1,7 @@
 """The FastAPI application: ``create_app(engine, model_dir)`` wires the engine, the tokenizer, the
-chat template and metrics into the routes, and answers every error with an OpenAI-style body."""
+chat template and metrics into the routes, and answers every error with an OpenAI-style body.
+Every request is logged (``server.access_log``); with an API key, every route but health and
+metrics wants it (``server.api_key``)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from executor.engine import Engine
+from server.access_log import AccessLog
+from server.api_key import ApiKeyCheck
 from server.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from server.chat_template import ChatTemplate, ChatTemplateError
 from server.detokenizer import TextTokenizer
@@ -38,15 +42,24 @@ def create_app(
     model_dir: str | Path,
     served_model_name: str | None = None,
     default_max_tokens: int | None = None,
+    *,
+    api_key: str | None = None,
+    chat_template: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> FastAPI:
+    """``chat_template`` (a file or the template's text) replaces the checkpoint's; a bad one
+    raises ChatTemplateError."""
     model_dir = Path(model_dir)
     try:
-        template: ChatTemplate | None = ChatTemplate.from_model_dir(model_dir)
+        template: ChatTemplate | None = ChatTemplate.from_model_dir(model_dir, chat_template)
     except ChatTemplateError as e:
+        if chat_template is not None:
+            raise
         log.warning("no chat template: /v1/chat/completions will refuse requests", reason=str(e))
         template = None
-    metrics = ServerMetrics(engine)
+    metrics = ServerMetrics(
+        engine.stats, lambda: engine.poison_reason is not None, lambda: engine.rejected_frames
+    )
     app = FastAPI(title="phalanx", docs_url=None, redoc_url=None)
     app.state.phalanx = ServerState(
         engine=engine,
@@ -58,6 +71,9 @@ def create_app(
     )
     app.include_router(router)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes, on_refused=metrics.rejected.inc)
+    if api_key:
+        app.add_middleware(ApiKeyCheck, api_key=api_key, on_refused=metrics.rejected.inc)
+    app.add_middleware(AccessLog)  # outermost: refused requests are logged too
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:

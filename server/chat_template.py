@@ -54,6 +54,16 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+def _override_source(override: str) -> str:
+    """``--chat-template``: the argument itself when it is a template, else a file's text."""
+    if "{{" in override or "{%" in override:
+        return override
+    path = Path(override)
+    if not path.is_file():
+        raise ChatTemplateError(f"chat template {override!r} is neither a file nor a jinja template")
+    return path.read_text(encoding="utf-8")
+
+
 def _token_text(value: Any) -> str | None:
     if isinstance(value, dict):  # older configs store AddedToken dicts
         return value.get("content")
@@ -76,11 +86,12 @@ class ChatTemplate:
         self.eos_token = eos_token or ""
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path) -> ChatTemplate:
+    def from_model_dir(cls, model_dir: str | Path, override: str | None = None) -> ChatTemplate:
+        """The checkpoint's template, or ``override`` (a template file, or the template itself)."""
         model_dir = Path(model_dir)
         config_path = model_dir / "tokenizer_config.json"
         config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
-        source = config.get("chat_template")
+        source = config.get("chat_template") if override is None else _override_source(override)
         jinja_file = model_dir / "chat_template.jinja"
         if source is None and jinja_file.is_file():
             source = jinja_file.read_text(encoding="utf-8")

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from executor.engine import Engine, ErrorEvent, FinishEvent, GenerationParams, RequestStream, TokenEvent
+from server.access_log import current_usage
 from server.detokenizer import IncrementalDetokenizer, StopMatcher, TextTokenizer
 from server.metrics import ServerMetrics
 
@@ -58,6 +59,7 @@ class Generation:
         self._prompt_tokens = len(prompt_ids)
         self._detokenizer = IncrementalDetokenizer(tokenizer)
         self._stops = StopMatcher(stops)
+        self._usage = current_usage()  # the access log's record of the HTTP request, if any
         # raises ValueError (bad input) or RuntimeError (engine closed) before anything is queued
         self._stream: RequestStream = engine.submit(prompt_ids, params)
         # a response that is dropped before it ever reads the stream (the client left before the
@@ -75,6 +77,7 @@ class Generation:
             async for event in self._stream:
                 if isinstance(event, TokenEvent):
                     timing.token()
+                    self._metrics.token(self._prompt_tokens if timing.count == 1 else 0)
                     text = self._stops.push(self._detokenizer.push(event.token_id))
                     yield Chunk(text, [TokenInfo(event.token_id, event.logprob, event.top_logprobs)])
                     if self._stops.stopped:
@@ -91,24 +94,21 @@ class Generation:
                     return
                 elif isinstance(event, ErrorEvent):
                     ended = self._ended()
-                    self._metrics.finished(
-                        "error", prompt_tokens=self._prompt_tokens, completion_tokens=timing.count
-                    )
+                    self._metrics.finished("error")
                     raise GenerationError(event.message)
         finally:
             if not ended:  # the consumer left early: a client disconnect or a cancelled task
                 self._engine.cancel(self.request_id)
-                # the tokens it was sent were generated all the same
-                self._metrics.finished(
-                    "cancelled", prompt_tokens=self._prompt_tokens, completion_tokens=timing.count
-                )
+                self._metrics.finished("cancelled")
+            if self._usage is not None:
+                self._usage.record(self._prompt_tokens, timing.count, timing.ttft)
 
     def _ended(self) -> bool:
         self._cancel_if_dropped.detach()
         return True
 
     def _done(self, timing: _Timing, reason: str) -> Done:
-        self._metrics.finished(reason, timing.ttft, timing.tpot, self._prompt_tokens, timing.count)
+        self._metrics.finished(reason, timing.ttft, timing.tpot)
         return Done(reason, self._prompt_tokens, timing.count)
 
 

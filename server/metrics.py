@@ -1,29 +1,39 @@
 """Prometheus metrics of the server (``GET /metrics``), in a registry of its own per app.
 
-Request counts and latency histograms are recorded as requests finish; the engine's occupancy
+Token counters move as tokens arrive (a request's prompt once its first token is out), so the
+periodic stats line can read throughput from them; request counts and latency histograms are
+recorded as requests finish; the engine's occupancy
 (running, waiting, KV pages, slots, steps, last step latency) is read from ``engine.stats()`` at
 scrape time, so it is never stale.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from executor.engine import Engine
+from executor.engine import EngineStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 class _EngineCollector(Collector):
-    def __init__(self, engine: Engine) -> None:
-        self._engine = engine
+    def __init__(
+        self,
+        stats: Callable[[], EngineStats],
+        poisoned: Callable[[], bool],
+        rejected_frames: Callable[[], int],
+    ) -> None:
+        self._stats = stats
+        self._poisoned = poisoned
+        self._rejected_frames = rejected_frames
 
     def collect(self) -> Iterator[Metric]:
-        s = self._engine.stats()
+        s = self._stats()
         gauges = {
             "phalanx_requests_running": ("requests holding a slot or prefilling", s.running),
             "phalanx_requests_waiting": ("requests queued for admission", s.waiting),
@@ -32,10 +42,7 @@ class _EngineCollector(Collector):
             "phalanx_slots_used": ("decode slots in use", s.slots_used),
             "phalanx_slots_total": ("decode slots", s.slots_total),
             "phalanx_last_step_seconds": ("latency of the last engine step", s.last_step_seconds),
-            "phalanx_engine_poisoned": (
-                "1 once the engine is poisoned",
-                int(self._engine.poison_reason is not None),
-            ),
+            "phalanx_engine_poisoned": ("1 once the engine is poisoned", int(self._poisoned())),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
@@ -43,12 +50,25 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily(
             "phalanx_rejected_frames",
             "control frames the coordinator dropped (forged, undecodable, foreign, from no rank)",
-            value=self._engine.rejected_frames,
+            value=self._rejected_frames(),
         )
 
 
+@dataclass
+class TokenTotals:
+    """Tokens processed since the server started, as plain numbers for the stats line."""
+
+    prompt: int = 0
+    generation: int = 0
+
+
 class ServerMetrics:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(
+        self,
+        stats: Callable[[], EngineStats],
+        poisoned: Callable[[], bool],
+        rejected_frames: Callable[[], int],
+    ) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "phalanx_requests", "finished requests by outcome", ["outcome"], registry=self.registry
@@ -70,23 +90,22 @@ class ServerMetrics:
         self.generation_tokens = Counter(
             "phalanx_generation_tokens", "generated tokens", registry=self.registry
         )
-        self.registry.register(_EngineCollector(engine))
+        self.registry.register(_EngineCollector(stats, poisoned, rejected_frames))
+        self.totals = TokenTotals()
 
-    def finished(
-        self,
-        outcome: str,
-        ttft: float | None = None,
-        tpot: float | None = None,
-        prompt_tokens: int = 0,
-        completion_tokens: int = 0,
-    ) -> None:
+    def token(self, prompt_tokens: int = 0) -> None:
+        """One generated token; the first of a request also brings its ``prompt_tokens``."""
+        self.totals.generation += 1
+        self.totals.prompt += prompt_tokens
+        self.generation_tokens.inc()
+        self.prompt_tokens.inc(prompt_tokens)
+
+    def finished(self, outcome: str, ttft: float | None = None, tpot: float | None = None) -> None:
         self.requests.labels(outcome=outcome).inc()
         if ttft is not None:
             self.ttft.observe(ttft)
         if tpot is not None:
             self.tpot.observe(tpot)
-        self.prompt_tokens.inc(prompt_tokens)
-        self.generation_tokens.inc(completion_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -24,7 +24,17 @@ _ADDRESS = re.compile(r"phalanx serving .* on (http://\S+)")
 @contextmanager
 def live_server(model_dir: Path, log_path: Path, *extra: str, startup_s: float = 120.0) -> Iterator[str]:
     """Start the server at TP 2 on CPU; yield its base URL (no /v1); stop it afterwards."""
-    argv = ["--model", str(model_dir), "--tp", "2", "--served-model-name", MODEL_NAME, *extra]
+    argv = [
+        "--model",
+        str(model_dir),
+        "--device",
+        "cpu",
+        "--tp",
+        "2",
+        "--served-model-name",
+        MODEL_NAME,
+        *extra,
+    ]
     with serve_process([*argv, "--max-slots", "8", "--kv-pages", "128"], log_path, startup_s) as served:
         yield served.url
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import zmq
+from log_lines import rank_records
 
 from executor.launcher import ExecutorConfig, launch_executor
 from protocol import (
@@ -143,6 +144,7 @@ def test_tcp_launch_drops_unsigned_forged_and_replayed_frames(
         page_size=16,
         max_slots=2,
         max_batch_tokens=64,
+        log_format="json",
     )
     ex = launch_executor(config)
     try:
@@ -183,9 +185,9 @@ def test_tcp_launch_drops_unsigned_forged_and_replayed_frames(
         assert ex.poison_reason is None
     finally:
         ex.shutdown()
-    rank_lines = [line for line in capfd.readouterr().err.splitlines() if " rank=0 " in line]
-    detailed = [line for line in rank_lines if "event='frame rejected'" in line and "unauthenticated" in line]
+    rank_lines = rank_records(capfd.readouterr().err, rank=0)
+    detailed = [r for r in rank_lines if r["event"] == "frame rejected" and r["reason"] == "unauthenticated"]
     assert len(detailed) == 10  # 20 unsigned + the replayed copy: the first ten in full ...
-    summaries = [line for line in rank_lines if "event='frame rejected (summary)'" in line]
-    assert summaries and "'unauthenticated': 11" in summaries[0]  # ... then a summary a second
-    assert sum("event='stale command rejected'" in line for line in rank_lines) == 1  # the first copy
+    summaries = [r for r in rank_lines if r["event"] == "frame rejected (summary)"]
+    assert summaries and summaries[0]["by_reason"] == {"unauthenticated": 11}  # ... then one a second
+    assert sum(r["event"] == "stale command rejected" for r in rank_lines) == 1  # the first copy

@@ -25,7 +25,7 @@ def test_bench_serve_against_the_demo_server(tiny_model_dir: Path, tmp_path: Pat
     out = tmp_path / "bench.json"
     with serve_process([], tmp_path / "server.log", env=env) as served:
         base_url, printed = served.url, served.printed
-        assert f"phalanx serving 'tiny-demo' (tp=2, cpu) on {base_url}" in printed
+        assert f"phalanx serving 'tiny-demo' (tp=2, cpu, float32, eager decode) on {base_url}" in printed
         curl = shlex.split(
             next(line for line in printed if line.startswith("try: curl ")).removeprefix("try: ")
         )

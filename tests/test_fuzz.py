@@ -12,6 +12,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import zmq
+from log_lines import rank_records
 
 from executor.launcher import ExecutorConfig, launch_executor
 from protocol import (
@@ -149,6 +150,7 @@ def test_fuzz_rank_and_coordinator_sockets(
         max_batch_tokens=64,
         step_timeout=20.0,
         record=str(trace_path),
+        log_format="json",
     )
     ex = launch_executor(config)
     try:
@@ -177,12 +179,12 @@ def test_fuzz_rank_and_coordinator_sockets(
         ex.shutdown()
 
     err = capfd.readouterr().err
-    rank_lines = [line for line in err.splitlines() if line.startswith("timestamp=") and " rank=0 " in line]
+    rank_lines = rank_records(err, rank=0)
     # every frame was rejected; the log holds the first ten in full, then a summary a second
-    detailed = [line for line in rank_lines if "event='frame rejected'" in line]
-    summaries = [line for line in rank_lines if "event='frame rejected (summary)'" in line]
+    detailed = [r for r in rank_lines if r["event"] == "frame rejected"]
+    summaries = [r for r in rank_lines if r["event"] == "frame rejected (summary)"]
     assert len(detailed) == 10 and 1 <= len(summaries) <= 30, summaries
-    assert not any("level='error'" in line for line in rank_lines)
+    assert not any(r["level"] == "error" for r in rank_lines)
 
     # The trace holds every frame the coordinator received: besides the fuzz, only Acks to our
     # own commands. Nothing was executed, so nothing else was answered.

@@ -1,5 +1,5 @@
-"""``phalanx serve``'s own helpers and flags: the curl line it prints, the note on eager CUDA
-decode, and the refusals of a zero TP degree and of ports outside the range."""
+"""``phalanx serve``'s own helpers and flags: the curl line it prints, and the refusals of a zero
+TP degree and of ports outside the range. (Device, dtype and memory flags: test_launch_choice.py.)"""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import shlex
 import pytest
 
 from tools.cli import main
-from tools.serve import curl_line, eager_decode_note, port_number
+from tools.serve import curl_line, port_number
 
 
 def test_curl_line_posts_a_chat_completion_to_the_printed_address() -> None:
@@ -17,17 +17,6 @@ def test_curl_line_posts_a_chat_completion_to_the_printed_address() -> None:
     assert words[:2] == ["curl", "http://127.0.0.1:8123/v1/chat/completions"]
     body = json.loads(words[words.index("-d") + 1])
     assert body["model"] == "tiny-demo" and body["messages"][0]["role"] == "user"
-
-
-def test_a_cuda_replica_without_graphs_is_told_about_cuda_graph() -> None:
-    note = eager_decode_note("cuda", cuda_graph=False)
-    assert note is not None and note.startswith("note: decode runs eagerly; --cuda-graph replays")
-    assert eager_decode_note("cuda", cuda_graph=True) is None
-    assert eager_decode_note("cpu", cuda_graph=False) is None  # graphs are CUDA's; CPU has no note
-    assert eager_decode_note("cpu", cuda_graph=True) == (
-        "note: --cuda-graph has no effect on cpu: decode runs the graph runner's static buffers "
-        "and pre-capture sweep eagerly"
-    )
 
 
 def test_serve_refuses_a_zero_tp_and_ports_outside_the_range(capsys: pytest.CaptureFixture[str]) -> None:

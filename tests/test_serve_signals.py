@@ -6,8 +6,8 @@ or 143 (SIGTERM). A spawned rank outlives a SIGTERM by a grace period, then leav
 
 from __future__ import annotations
 
+import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -24,7 +24,7 @@ def test_serve_shuts_the_replica_down_in_order_when_stopped(
     tiny_model_dir: Path, tmp_path: Path, stop: str, to_group: bool
 ) -> None:
     log_path = tmp_path / "serve.log"
-    args = ["--model", str(tiny_model_dir), "--tp", "2", "--kv-pages", "64"]
+    args = ["--model", str(tiny_model_dir), "--tp", "2", "--kv-pages", "64", "--log-format", "json"]
     with serve_process(args, log_path, new_session=True) as served:
         # A request served first: the stop then finds connections and a scheduler that has run.
         body = {"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0}
@@ -38,9 +38,9 @@ def test_serve_shuts_the_replica_down_in_order_when_stopped(
     assert f"phalanx serve: stopped by {stop}; shutting the replica down" in log
     if stop == "SIGTERM" and to_group:  # each rank waited for the coordinator's Shutdown
         warned = [line for line in log.splitlines() if "SIGTERM: leaving unless the coordinator" in line]
-        assert sorted(re.search(r"rank=(\S+)", line).group(1) for line in warned) == ["0", "1"], log[-3000:]
-    assert log.count("event='shutdown'") == 2, log[-3000:]  # each rank answered Shutdown
-    assert "event='executor shut down'" in log
+        assert sorted(json.loads(line)["rank"] for line in warned) == [0, 1], log[-3000:]
+    assert log.count('"event":"shutdown"') == 2, log[-3000:]  # each rank answered Shutdown
+    assert '"event":"executor shut down"' in log
     assert "Traceback" not in log and "poisoned" not in log, log[-3000:]
 
 
@@ -50,12 +50,13 @@ def _stop_generate_at(model_dir: Path, log_path: Path, event: str, max_tokens: i
     code for the signal (130 or 143)."""
     argv = [sys.executable, "-m", "tools", "generate", "--model", str(model_dir), "--tp", "2"]
     argv += ["--prompt-ids", "1,2,3", "--max-tokens", str(max_tokens), "--ignore-eos"]
+    argv += ["--verbose", "--log-format", "json"]
     with log_path.open("w") as log:
         process = subprocess.Popen(
             argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True
         )
         deadline = time.monotonic() + 120
-        while f"event='{event}'" not in log_path.read_text():
+        while f'"event":"{event}"' not in log_path.read_text():
             assert process.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
             time.sleep(0.01)
         os.killpg(process.pid, signal.Signals[stop])
@@ -77,7 +78,7 @@ def _stop_generate_at(model_dir: Path, log_path: Path, event: str, max_tokens: i
 @pytest.mark.parametrize("stop", ["SIGINT", "SIGTERM"])
 def test_generate_stopped_shuts_the_replica_down(tiny_model_dir: Path, tmp_path: Path, stop: str) -> None:
     text = _stop_generate_at(tiny_model_dir, tmp_path / "generate.log", "executor serving", 2000, stop)
-    assert text.count("event='shutdown'") == 2 and "event='executor shut down'" in text, text[-3000:]
+    assert text.count('"event":"shutdown"') == 2 and '"event":"executor shut down"' in text, text[-3000:]
 
 
 @pytest.mark.parametrize("stop", ["SIGINT", "SIGTERM"])
@@ -86,7 +87,7 @@ def test_generate_stopped_during_startup_stops_its_ranks(
 ) -> None:
     # A rank has loaded its weights; the startup gate is not open yet.
     text = _stop_generate_at(tiny_model_dir, tmp_path / "generate.log", "model loaded", 4, stop)
-    assert "event='startup stopped'" in text and "startup failed" not in text, text[-3000:]
+    assert '"event":"startup stopped"' in text and "startup failed" not in text, text[-3000:]
 
 
 _RANK_STUCK_IN_A_CALL = """
@@ -126,7 +127,8 @@ def test_a_rank_stuck_in_a_call_still_leaves_after_the_sigterm_grace() -> None:
 _LEAVES_WITHOUT_SHUTDOWN = """
 import sys
 from executor.engine import Engine, EngineConfig
-engine = Engine.start(EngineConfig(model_dir=sys.argv[1], tp=2, kv_pages=64))
+config = EngineConfig(model_dir=sys.argv[1], tp=2, kv_pages=64, executor_options={"log_format": "json"})
+engine = Engine.start(config)
 print("started", flush=True)
 sys.exit(0)  # no shutdown: as when a signal lands before the caller's ``with`` takes the engine
 """
@@ -143,6 +145,6 @@ def test_an_engine_left_without_shutdown_is_shut_down_at_exit(tiny_model_dir: Pa
     )
     text = done.stdout + done.stderr
     assert done.returncode == 0 and "started" in text, text[-3000:]
-    assert text.count("event='shutdown'") == 2 and "event='executor shut down'" in text, text[-3000:]
+    assert text.count('"event":"shutdown"') == 2 and '"event":"executor shut down"' in text, text[-3000:]
     assert "SIGTERM: leaving" not in text, text[-3000:]  # nobody waited out the ranks' grace
     assert time.monotonic() - started < 60

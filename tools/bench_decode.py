@@ -22,63 +22,18 @@ from dataclasses import dataclass
 
 import torch
 
-from models.tiny import TINY_GEOMETRY
 from tools.bench_args import at_least, integer_at_least, tp_degrees
+from tools.geometries import GEOMETRIES, config_dict, random_tensor
 from tools.host_info import host_line
 
 COPY_BANDWIDTH = 4.3e12  # bytes/s, device-to-device copy measured on the H200 (read + write)
 PAGE_SIZE = 64
 
-GEOMETRIES: dict[str, dict[str, object]] = {
-    "tiny": dict(TINY_GEOMETRY, tie_word_embeddings=False),
-    "0.8b": dict(
-        hidden_size=1024,
-        intermediate_size=3584,
-        num_hidden_layers=24,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=256,
-        linear_num_key_heads=16,
-        linear_num_value_heads=16,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        vocab_size=248320,
-        tie_word_embeddings=True,
-    ),
-    "4b": dict(
-        hidden_size=2560,
-        intermediate_size=9216,
-        num_hidden_layers=32,
-        num_attention_heads=16,
-        num_key_value_heads=4,
-        head_dim=256,
-        linear_num_key_heads=16,
-        linear_num_value_heads=32,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        vocab_size=248320,
-        tie_word_embeddings=True,
-    ),
-    "9b": dict(
-        hidden_size=4096,
-        intermediate_size=12288,
-        num_hidden_layers=32,
-        num_attention_heads=16,
-        num_key_value_heads=4,
-        head_dim=256,
-        linear_num_key_heads=16,
-        linear_num_value_heads=32,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        vocab_size=248320,
-        tie_word_embeddings=False,
-    ),
-}
-ROPE = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--geometry", choices=sorted(GEOMETRIES), default="4b")
+    parser.add_argument(
+        "--geometry", choices=sorted(GEOMETRIES), default="4b", help="model shape (random weights)"
+    )
     parser.add_argument("--batch", default="1,8,32,64", help="comma-separated batch sizes")
     parser.add_argument("--steps", type=at_least(1), default=20, help="timed decode steps per batch size")
     parser.add_argument(
@@ -102,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also time the serving graph path (pre-capture sweep, then bucketed graph replay)",
     )
     parser.add_argument("--vs-transformers", action="store_true", help="time transformers in the same run")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights and inputs")
     parser.add_argument(
         "--profile",
         action="store_true",
@@ -121,7 +76,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="cpu: the multi-rank path on gloo with fp32 weights (a check of the code path, not a benchmark)",
     )
     parser.add_argument(
-        "--json", default=None, help="also write the multi-rank table, ratios and logits check to this file"
+        "--json",
+        default=None,
+        help="also write the multi-rank table, ratios and logits check to this file (default: none)",
     )
 
 
@@ -135,19 +92,6 @@ def warmup_steps(text: str) -> int:
     return integer_at_least(text, 0, "0 or more steps")
 
 
-def config_dict(geometry: str) -> dict[str, object]:
-    raw = dict(GEOMETRIES[geometry])
-    raw.update(
-        rms_norm_eps=1e-6,
-        max_position_embeddings=32768,
-        full_attention_interval=4,
-        linear_conv_kernel_dim=4,
-        rope_parameters=dict(ROPE),
-        eos_token_id=[0],
-    )
-    return raw
-
-
 def random_weights(config, device: torch.device, dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
     """Every tensor a TP = 1 rank loads, random, under the loader's keys, shapes and dtypes
     (specs fused into one tensor, such as gate|up, are concatenated in spec order, as it does)."""
@@ -157,24 +101,8 @@ def random_weights(config, device: torch.device, dtype: torch.dtype, seed: int) 
     layout = RankLayout.build(config, 0, 1)
     parts: dict[str, list[torch.Tensor]] = {}
     for spec in tensor_specs(config, layout, include_lm_head=not config.tie_word_embeddings):
-        parts.setdefault(spec.key, []).append(_random_tensor(spec, gen, device, dtype))
+        parts.setdefault(spec.key, []).append(random_tensor(spec, gen, device, dtype))
     return {key: group[0] if len(group) == 1 else torch.cat(group) for key, group in parts.items()}
-
-
-def _random_tensor(spec, gen: torch.Generator, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    shape, name = spec.local_shape, spec.name
-    t_dtype = torch.float32 if spec.keep_fp32 else dtype
-    if name.endswith("A_log"):
-        t = torch.rand(shape, generator=gen, device=device).mul(15).add(1).log()
-    elif name.endswith("linear_attn.norm.weight"):
-        t = torch.rand(shape, generator=gen, device=device).add(0.5)
-    elif name.endswith("dt_bias") or name.endswith("norm.weight"):
-        t = torch.randn(shape, generator=gen, device=device).mul(0.1)
-    elif name.endswith("conv1d.weight"):
-        t = torch.randn(shape, generator=gen, device=device).mul(0.3)
-    else:
-        t = torch.randn(shape, generator=gen, device=device, dtype=t_dtype).mul(0.02)
-    return t.to(t_dtype)
 
 
 def build_random_model(

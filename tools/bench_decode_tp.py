@@ -35,13 +35,12 @@ import torch.distributed as dist
 from tools.bench_decode import (
     COPY_BANDWIDTH,
     PAGE_SIZE,
-    _random_tensor,
-    config_dict,
     cuda_time_ms,
     kernel_settings,
     print_profile,
     weight_bytes_per_step,
 )
+from tools.geometries import config_dict, random_tensor
 
 # NVLink multicast stays off in every rank (it can take a shared host's GPUs out of service).
 CHILD_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -70,7 +69,7 @@ def sharded_random_weights(config, layout, device: torch.device, dtype: torch.dt
     parts: dict[str, list[torch.Tensor]] = {}
     for spec in tensor_specs(config, layout, include_lm_head=not config.tie_word_embeddings):
         gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(spec.name.encode()))
-        whole = _random_tensor(dataclasses.replace(spec, ranges=None), gen, device, dtype)
+        whole = random_tensor(dataclasses.replace(spec, ranges=None), gen, device, dtype)
         if spec.ranges is None:
             local = whole
         else:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import math
 import statistics
 import sys
@@ -38,15 +37,18 @@ from pathlib import Path
 import torch
 
 from tools.bench_args import at_least, milliseconds
-from tools.bench_decode import GEOMETRIES, _random_tensor, config_dict
+from tools.bench_decode import GEOMETRIES
 from tools.host_info import host_line
+from tools.random_checkpoint import write_random_checkpoint
 
 MODES = {"pipelined": True, "blocking": False}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--geometry", choices=sorted(GEOMETRIES), default="4b")
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument(
+        "--geometry", choices=sorted(GEOMETRIES), default="4b", help="model shape (random weights)"
+    )
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="where the benchmark runs")
     parser.add_argument("--batch", default="1,16", help="comma-separated numbers of concurrent requests")
     parser.add_argument("--prompt-len", type=at_least(1), default=512, help="tokens of each prompt")
     parser.add_argument("--output-len", type=at_least(2), default=128, help="tokens each request generates")
@@ -60,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="submit each batch's requests this many ms apart (default 0: all at once)",
     )
     parser.add_argument("--cuda-graph", action="store_true", help="decode from CUDA graphs (cuda only)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights and inputs")
 
 
 @dataclass
@@ -73,32 +75,6 @@ class Row:
     longest_gap_ms: float
     tokens_per_s: float
     whole_ms: float  # median over requests of first-to-last token time per token, prefills included
-
-
-def write_random_checkpoint(geometry: str, out_dir: Path, device: torch.device, seed: int) -> int:
-    """config.json, generation_config.json and model.safetensors of ``geometry`` with random weights
-    under the checkpoint's own names; returns the weights' bytes."""
-    from safetensors.torch import save_file
-
-    from models.qwen35 import Qwen35Config
-    from models.qwen35.sharding import RankLayout, tensor_specs
-    from models.qwen35.weights import TOP_LEVEL
-
-    raw = config_dict(geometry)
-    config = Qwen35Config.from_dicts(raw, source=f"geometry {geometry}")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    gen = torch.Generator(device=device).manual_seed(seed)
-    tensors = {}
-    for spec in tensor_specs(
-        config, RankLayout.build(config, 0, 1), include_lm_head=not config.tie_word_embeddings
-    ):
-        name = spec.name if spec.name in TOP_LEVEL else f"model.{spec.name}"
-        tensors[name] = _random_tensor(spec, gen, device, dtype).cpu()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "config.json").write_text(json.dumps(raw))
-    (out_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": raw["eos_token_id"]}))
-    save_file(tensors, str(out_dir / "model.safetensors"))
-    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 async def _timed_tokens(stream) -> tuple[list[int], list[float]]:

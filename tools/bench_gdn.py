@@ -56,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--layers", type=at_least(1), default=24, help="GDN layers per step, for the per-step column"
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights and inputs")
 
 
 def _step_fn(path: str) -> Callable[..., torch.Tensor]:

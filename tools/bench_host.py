@@ -30,13 +30,15 @@ from tools.host_info import host_line
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--geometry", choices=sorted(GEOMETRIES), default="4b")
+    parser.add_argument(
+        "--geometry", choices=sorted(GEOMETRIES), default="4b", help="model shape (random weights)"
+    )
     parser.add_argument("--batch", type=at_least(1), default=1, help="decode rows")
     parser.add_argument("--steps", type=at_least(1), default=20, help="steps per measurement")
     parser.add_argument(
         "--context", type=at_least(0), default=512, help="tokens already in each row's KV cache"
     )
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="where the benchmark runs")
 
 
 @contextmanager

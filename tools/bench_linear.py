@@ -73,7 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--replays", type=at_least(1), default=20, help="timed graph replays (median is reported)"
     )
     parser.add_argument("--no-whole", action="store_true", help="skip the whole-model-set totals")
-    parser.add_argument("--json", default=None, help="also write every figure to this file")
+    parser.add_argument("--json", default=None, help="also write every figure to this file (default: none)")
 
 
 def linear_shapes(geometry: str, tp: int) -> list[LinearShape]:

@@ -114,10 +114,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tp", type=tp_degrees, default="2,4,8", help="comma-separated TP degrees (default 2,4,8)"
     )
-    parser.add_argument("--iterations", type=at_least(1), default=2000)
-    parser.add_argument("--warmup", type=at_least(0), default=200)
-    parser.add_argument("--rows", type=at_least(1), default=64)
-    parser.add_argument("--transport", choices=("ipc", "tcp"), default="ipc")
+    parser.add_argument(
+        "--iterations", type=at_least(1), default=2000, help="timed round trips per TP degree"
+    )
+    parser.add_argument("--warmup", type=at_least(0), default=200, help="untimed round trips first")
+    parser.add_argument("--rows", type=at_least(1), default=64, help="decode rows in each command")
+    parser.add_argument("--transport", choices=("ipc", "tcp"), default="ipc", help="control-plane sockets")
     parser.add_argument("--json", action="store_true", help="print one JSON object per TP degree")
 
 

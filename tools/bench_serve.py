@@ -66,16 +66,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--model", default=None, help="model id (default: the server's first model)")
     parser.add_argument("--concurrency", type=at_least(1), default=8, help="requests in flight at once")
-    parser.add_argument("--num-prompts", type=at_least(1), default=64)
+    parser.add_argument("--num-prompts", type=at_least(1), default=64, help="requests sent in all")
     parser.add_argument(
         "--input-len", type=at_least(1), default=128, help="prompt tokens (words with --prompt-kind text)"
     )
     parser.add_argument(
         "--output-len", type=at_least(1), default=128, help="tokens generated per request (ignore_eos)"
     )
-    parser.add_argument("--prompt-kind", choices=("ids", "text"), default="ids")
+    parser.add_argument(
+        "--prompt-kind", choices=("ids", "text"), default="ids", help="random token ids, or random text"
+    )
     parser.add_argument("--max-id", type=int, default=256, help="random token ids are drawn from [0, max-id)")
-    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--seed", type=int, default=42, help="seed of the random prompts")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     parser.add_argument("--out", type=Path, default=Path("bench-serve.json"), help="JSON result file")
 

@@ -14,6 +14,7 @@ import argparse
 import importlib
 import sys
 
+from tools.cli_help import ArgumentParser, version_text
 from tools.stop_signals import StopSignal, stop_signals_raise
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -24,29 +25,49 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("tools.bench", "benchmarks: decode, serve, round trip, sharded load"),
     "eval-mc": ("tools.eval_mc", "multiple-choice accuracy over the chat completions API"),
     "make-tiny-model": ("tools.make_tiny_model", "write a tiny random Qwen3.5 checkpoint"),
+    "make-random-model": ("tools.random_checkpoint", "write a random Qwen3.5 checkpoint of a real size"),
 }
 
 
 def _usage() -> str:
     lines = ["usage: phalanx COMMAND [ARGS...]", "", "commands:"]
     lines += [f"  {name:<16} {help_text}" for name, (_, help_text) in SUBCOMMANDS.items()]
+    lines += [
+        f"  {'help [COMMAND]':<16} this list, or one command's flags and their defaults",
+        "",
+        "options:",
+        f"  {'--version':<16} phalanx, torch, triton and CUDA versions and the device",
+    ]
     return "\n".join(lines)
+
+
+def command_parser(name: str) -> argparse.ArgumentParser:
+    module_name, help_text = SUBCOMMANDS[name]
+    parser = ArgumentParser(prog=f"phalanx {name}", description=help_text)
+    importlib.import_module(module_name).add_arguments(parser)
+    return parser
+
+
+def _unknown(name: str) -> int:
+    print(f"phalanx: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+    return 2
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
+    if not argv or argv[0] in ("-h", "--help") or argv == ["help"]:
         print(_usage())
         return 0
+    if argv[0] == "--version":
+        print(version_text())
+        return 0
+    if argv[0] == "help":  # phalanx help serve == phalanx serve --help
+        argv = [*argv[1:], "--help"]
     name, rest = argv[0], argv[1:]
     if name not in SUBCOMMANDS:
-        print(f"phalanx: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
-        return 2
-    module_name, help_text = SUBCOMMANDS[name]
-    module = importlib.import_module(module_name)
-    parser = argparse.ArgumentParser(prog=f"phalanx {name}", description=help_text)
-    module.add_arguments(parser)
-    args = parser.parse_args(rest)
+        return _unknown(name)
+    module = importlib.import_module(SUBCOMMANDS[name][0])
+    args = command_parser(name).parse_args(rest)
     try:
         with stop_signals_raise():
             return int(module.run(args) or 0)

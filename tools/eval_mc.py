@@ -27,19 +27,29 @@ EXIT_INCOMPLETE = 2
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bench", required=True, choices=sorted(RECIPES), help="benchmark recipe")
     parser.add_argument(
-        "--data", type=Path, nargs="+", help="test split: .jsonl/.parquet files or directories"
+        "--data",
+        type=Path,
+        nargs="+",
+        help="test split: .jsonl/.parquet files or directories (default: none; needed unless --rerun-truncated)",
     )
     parser.add_argument("--dev", type=Path, nargs="*", default=[], help="few-shot examples (ceval, mmlu_pro)")
     parser.add_argument("--out", type=Path, default=Path("eval-mc-results"), help="results directory")
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="the server's OpenAI API")
     parser.add_argument("--model", default=None, help="model name (default: the server's first model)")
-    parser.add_argument("--max-tokens", type=int, default=4096)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=4096, help="max_tokens of each request")
+    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    parser.add_argument("--concurrency", type=int, default=16, help="requests in flight at once")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per request")
     parser.add_argument("--attempts", type=int, default=6, help="tries per request (transient errors)")
-    parser.add_argument("--sample", type=int, default=None, help="stratified sample of N items (seed 1337)")
-    parser.add_argument("--limit", type=int, default=None, help="only the first N items")
+    parser.add_argument(
+        "--sample",
+        type=int,
+        default=None,
+        help="stratified sample of N items, seed 1337 (default: every item)",
+    )
+    parser.add_argument(
+        "--limit", type=int, default=None, help="only the first N items (default: every item)"
+    )
     parser.add_argument(
         "--rerun-truncated",
         action="store_true",

@@ -1,7 +1,8 @@
 """``phalanx generate``: one prompt through a freshly launched replica, printed as text or JSON.
 
 Without ``--model`` it runs the embedded tiny demo model (built on first use into the user's
-cache directory). Prompts are tokenized with the model directory's ``tokenizer.json``.
+cache directory). Prompts are tokenized with the model directory's ``tokenizer.json``. Only
+warnings and errors are logged (stderr) unless ``--verbose``; ``--quiet`` leaves errors alone.
 """
 
 from __future__ import annotations
@@ -15,33 +16,50 @@ from tokenizers import Tokenizer
 
 from executor.engine import Engine, EngineConfig, ErrorEvent, FinishEvent, GenerationParams, TokenEvent
 from executor.errors import ExecutorError
+from executor.logs import configure_logging
 from executor.model_info import read_model_info
-from tools.launch_options import add_launch_arguments, executor_options, model_dir_problem
+from tools.launch_options import (
+    add_launch_arguments,
+    add_log_arguments,
+    add_model_arguments,
+    choose_launch,
+    executor_options,
+    model_dir_problem,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", type=Path, default=None, help="model directory (default: the tiny demo model)"
     )
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (ranks)")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--cuda-graph", action="store_true", help="decode from CUDA graphs (cuda only)")
+    parser.add_argument(
+        "--tp",
+        "--tensor-parallel-size",
+        dest="tp",
+        type=int,
+        default=1,
+        help="tensor-parallel degree (ranks)",
+    )
+    add_model_arguments(parser)
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text")
     prompt.add_argument("--prompt-ids", help="prompt token ids, comma separated (e.g. 1,2,3)")
-    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=16, help="tokens to generate at most")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 keeps all)")
     parser.add_argument("--top-k", type=int, default=0, help="0 disables it")
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=None, help="sampling seed (default: a random one)")
     parser.add_argument("--ignore-eos", action="store_true", help="generate max-tokens tokens even past EOS")
-    parser.add_argument(
-        "--kv-pages",
-        type=int,
-        default=None,
-        help="KV pages per rank (default: 512 on cpu, all that fit on cuda)",
-    )
     parser.add_argument("--json", action="store_true", help='print {"token_ids", "text", "finish_reason"}')
+    chatter = parser.add_mutually_exclusive_group()
+    chatter.set_defaults(log_level="warning")
+    chatter.add_argument(
+        "--verbose", dest="log_level", action="store_const", const="info", help="log info lines too (stderr)"
+    )
+    chatter.add_argument(
+        "--quiet", dest="log_level", action="store_const", const="error", help="log errors only"
+    )
+    add_log_arguments(parser, level=False)
     add_launch_arguments(parser)
 
 
@@ -64,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    configure_logging(args.log_level, args.log_format)
     if args.model is None:
         from tools.demo_model import demo_model_dir
 
@@ -73,6 +92,7 @@ def _generate(args: argparse.Namespace) -> int:
     problem = model_dir_problem(model_dir)
     if problem is not None:
         raise ValueError(problem)
+    choice = choose_launch(args, Path(model_dir))
     tokenizer = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
     prompt_ids = (
         parse_prompt_ids(args.prompt_ids) if args.prompt is None else tokenizer.encode(args.prompt).ids
@@ -86,21 +106,18 @@ def _generate(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
     )
     params.validate()  # refuse bad flags and impossible prompts before paying for a launch
-    context = read_model_info(model_dir).max_position_embeddings
+    context = choice.max_model_len or read_model_info(model_dir).max_position_embeddings
     if len(prompt_ids) + params.max_tokens > context:
         raise ValueError(
             f"prompt of {len(prompt_ids)} tokens plus max_tokens {params.max_tokens} exceeds the "
             f"model context of {context} tokens"
         )
-    kv_pages = args.kv_pages if args.kv_pages is not None else (512 if args.device == "cpu" else 0)
     config = EngineConfig(
         model_dir=model_dir,
         tp=args.tp,
-        device=args.device,
-        kv_pages=kv_pages,
-        cuda_graph=args.cuda_graph,
         pipeline=args.pipeline,
         executor_options=executor_options(args),
+        **choice.engine_fields(),
     )
     with Engine.start(config) as engine:
         events = list(engine.submit(prompt_ids, params))

@@ -1,12 +1,26 @@
-"""Launch flags shared by ``phalanx serve`` and ``phalanx generate``: recording, attached ranks, and
-the model directory check both make before paying for a launch."""
+"""Launch flags shared by ``phalanx serve`` and ``phalanx generate``: device, dtype, graphs and
+memory, recording, attached ranks, the log flags, and the checks both make before paying for a
+launch."""
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
+
+import structlog
+
+from executor.model_info import ModelInfoError, read_model_info
+from protocol.logs import LOG_FORMATS, LOG_LEVELS
+
+log = structlog.get_logger("phalanx.launch")
+
+DEVICE_HELP = "where the ranks run: cuda (one GPU per rank, NCCL) or cpu (gloo)"
+CPU_KV_PAGES = 512
+CPU_MAX_SLOTS = 16
+DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
 def model_dir_problem(model_dir: str | Path) -> str | None:
@@ -19,11 +33,174 @@ def model_dir_problem(model_dir: str | Path) -> str | None:
         return f"model path {model_dir} is not a directory"
     if not (path / "tokenizer.json").is_file():
         return f"no tokenizer.json in model directory {model_dir}"
+    try:
+        read_model_info(path)
+    except (ModelInfoError, ValueError) as exc:
+        return str(exc)
     return None
 
 
+def add_max_slots_argument(parser: argparse.ArgumentParser) -> None:
+    """``--max-slots``, with vLLM's name ``--max-num-seqs`` beside it."""
+    parser.add_argument(
+        "--max-slots",
+        "--max-num-seqs",
+        dest="max_slots",
+        type=positive_int,
+        default=None,
+        help="requests decoding at once (default: 16 on cpu; on cuda up to 256, the largest graph "
+        "bucket, while their states take at most half of the cache memory)",
+    )
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """Device, dtype, graphs and memory: the flags vLLM users know, with the same meanings."""
+    parser.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help=f"{DEVICE_HELP} (default: auto, cuda when torch sees a GPU, else cpu)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="auto",
+        help="weights' and activations' dtype (default: auto, the checkpoint's 16-bit dtype on "
+        "cuda, bfloat16 for a float32 checkpoint; float32 on cpu)",
+    )
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="decode eagerly (default on cuda: replay one CUDA graph per batch bucket)",
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=memory_fraction,
+        default=0.9,
+        metavar="F",
+        help="fraction of each GPU's memory a rank may use; the KV cache gets what the weights, "
+        "activations and CUDA graphs leave (default: 0.9)",
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="cap on prompt + output tokens (default: the checkpoint's max_position_embeddings, "
+        "bounded by the KV cache)",
+    )
+    parser.add_argument(
+        "--kv-pages",
+        type=positive_int,
+        default=None,
+        help=f"KV pages per rank (default: {CPU_KV_PAGES} on cpu; on cuda as many as memory allows)",
+    )
+
+
+def memory_fraction(text: str) -> float:
+    """``--gpu-memory-utilization``: above 0, at most 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be above 0 and at most 1, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class LaunchChoice:
+    """What the flags and the machine decide for a launch (EngineConfig's fields)."""
+
+    device: str
+    dtype: str  # a torch dtype name
+    cuda_graph: bool
+    kv_pages: int  # 0 on cuda: as many as fit
+    max_slots: int  # 0 on cuda: as many as memory and the graph buckets allow
+    max_model_len: int  # 0: the checkpoint's
+    gpu_memory_utilization: float
+
+    def engine_fields(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+
+def choose_launch(args: argparse.Namespace, model_dir: Path, max_slots: int | None = None) -> LaunchChoice:
+    """Resolve auto device and dtype, graphs and memory defaults; ValueError for a bad value
+    (``--max-model-len`` above the checkpoint's context)."""
+    info = read_model_info(model_dir)
+    device = args.device if args.device != "auto" else detect_device()
+    if args.max_model_len is not None and args.max_model_len > info.max_position_embeddings:
+        raise ValueError(
+            f"--max-model-len {args.max_model_len} exceeds the checkpoint's context of "
+            f"{info.max_position_embeddings} tokens (max_position_embeddings in {model_dir}/config.json)"
+        )
+    cuda = device == "cuda"
+    return LaunchChoice(
+        device=device,
+        dtype=resolve_dtype(args.dtype, device, info.dtype),
+        cuda_graph=cuda and not args.enforce_eager,
+        kv_pages=args.kv_pages if args.kv_pages is not None else (0 if cuda else CPU_KV_PAGES),
+        max_slots=max_slots if max_slots is not None else (0 if cuda else CPU_MAX_SLOTS),
+        max_model_len=args.max_model_len or 0,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+    )
+
+
+def detect_device() -> str:
+    """``--device auto``: cuda when torch sees a GPU, else cpu; the log says which and why."""
+    import torch
+
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        log.info("device auto: cuda", gpus=count, name=torch.cuda.get_device_name(0))
+        return "cuda"
+    reason = "a CPU-only build of torch" if torch.version.cuda is None else "no CUDA GPU visible to torch"
+    log.info("device auto: cpu", reason=reason)
+    return "cpu"
+
+
+def resolve_dtype(flag: str, device: str, checkpoint: str) -> str:
+    """``--dtype auto``: the checkpoint's 16-bit dtype on cuda (bfloat16 for a float32 or unnamed
+    one, as the Triton kernels are tuned for 16-bit weights); float32 on cpu, where the torch
+    reference ops run."""
+    if flag != "auto":
+        return flag
+    if device != "cuda":
+        return "float32"
+    return checkpoint if checkpoint in ("bfloat16", "float16") else "bfloat16"
+
+
+def add_log_arguments(parser: argparse.ArgumentParser, level: bool = True) -> None:
+    """``--log-format``, and ``--log-level`` unless the command has its own way to set it."""
+    if level:
+        parser.add_argument(
+            "--log-level",
+            choices=LOG_LEVELS,
+            default="info",
+            help="the lowest level logged, by the coordinator, every rank and the HTTP server",
+        )
+    parser.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default="console",
+        help="console: one short aligned line per record; json: one JSON object per line (log shippers)",
+    )
+
+
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--record", help="append every protocol frame to this trace (see phalanx replay)")
+    parser.add_argument(
+        "--record", help="append every protocol frame to this trace (see phalanx replay; default: none)"
+    )
     parser.add_argument(
         "--no-pipeline",
         dest="pipeline",
@@ -37,7 +214,7 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         type=_attach_address,
         help="do not spawn ranks: bind here and wait for --tp ranks started elsewhere "
         "(torchrun/SLURM running `phalanx worker --coordinator tcp://HOST:PORT`); "
-        "both sides need the same PHALANX_SECRET",
+        "both sides need the same PHALANX_SECRET (default: spawn the ranks here)",
     )
 
 
@@ -62,7 +239,7 @@ def _attach_address(address: str) -> tuple[str, int]:
 
 def executor_options(args: argparse.Namespace) -> dict[str, Any]:
     """The ExecutorConfig fields these flags set (passed as EngineConfig.executor_options)."""
-    options: dict[str, Any] = {}
+    options: dict[str, Any] = {"log_level": args.log_level, "log_format": args.log_format}
     if args.record:
         options["record"] = args.record
     if args.attach:

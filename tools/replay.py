@@ -305,22 +305,25 @@ def _side(name: str, values: list[object]) -> list[str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     actions = parser.add_subparsers(dest="action", required=True)
+    trace_help = "a trace written by --record"
     p = actions.add_parser("show", help="one readable line per message")
-    p.add_argument("trace")
-    p.add_argument("--seq", type=_parse_seq_range, help="only seq A through B (A:B, A:, :B or A)")
-    p.add_argument("--rank", type=int, help="only messages to or from this rank")
+    p.add_argument("trace", help=trace_help)
+    p.add_argument(
+        "--seq", type=_parse_seq_range, help="only seq A through B (A:B, A:, :B or A; default: all)"
+    )
+    p.add_argument("--rank", type=int, help="only messages to or from this rank (default: every rank)")
     p = actions.add_parser("stats", help="counts and step-latency percentiles per command kind and rank")
-    p.add_argument("trace")
+    p.add_argument("trace", help=trace_help)
     p = actions.add_parser("diff", help="the first step where two traces diverge")
-    p.add_argument("a")
-    p.add_argument("b")
+    p.add_argument("a", help="the first trace")
+    p.add_argument("b", help="the second trace")
     p = actions.add_parser("run", help="replay the commands against fresh ranks and compare every reply")
-    p.add_argument("trace")
+    p.add_argument("trace", help=trace_help)
     p.add_argument("--model", required=True, help="model directory")
     p.add_argument("--tp", type=int, required=True, help="tensor-parallel ranks")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--record", help="record the replay itself to this trace")
-    p.add_argument("--step-timeout", type=float, default=300.0)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the ranks run")
+    p.add_argument("--record", help="record the replay itself to this trace (default: none)")
+    p.add_argument("--step-timeout", type=float, default=300.0, help="seconds one step may take")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,15 +1,21 @@
 """``phalanx serve``: the OpenAI-compatible server over one replica.
 
 Without ``--model`` it serves the embedded tiny demo model (built on first use into the user's
-cache directory) on CPU at TP 2 on 127.0.0.1:8000, and prints a curl line that works against it.
+cache directory) on 127.0.0.1:8000, at TP 2 on CPU (TP 1 on a GPU), and prints a curl line that
+works against it. ``--device`` defaults to cuda where torch sees a GPU; there CUDA graphs are on
+unless ``--enforce-eager``, and memory is sized by ``--gpu-memory-utilization``.
 The replica is launched before the port is bound, so once the address is printed the server is
-ready. ``--port 0`` picks a free port (the printed address names it).
+ready. ``--port 0`` picks a free port (the printed address names it). Flags that mean what vLLM's
+do carry vLLM's names (``--tensor-parallel-size``, ``--max-num-seqs`` …) beside the short ones.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
+import os
 import shlex
 import signal
 import socket
@@ -19,10 +25,20 @@ from pathlib import Path
 from typing import Any
 
 import structlog
+from setproctitle import setproctitle
 
 from executor.errors import ExecutorError
 from server.body_limit import DEFAULT_MAX_BODY_BYTES
-from tools.launch_options import add_launch_arguments, executor_options, model_dir_problem
+from tools.launch_options import (
+    LaunchChoice,
+    add_launch_arguments,
+    add_log_arguments,
+    add_max_slots_argument,
+    add_model_arguments,
+    choose_launch,
+    executor_options,
+    model_dir_problem,
+)
 from tools.stop_signals import StopSignal
 
 log = structlog.get_logger("phalanx.serve")
@@ -35,22 +51,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model", type=Path, default=None, help="model directory (default: the tiny demo model)"
     )
     parser.add_argument(
-        "--tp", type=int, default=None, help=f"tensor-parallel degree (default: 1; demo: {DEMO_TP})"
+        "--tp",
+        "--tensor-parallel-size",
+        dest="tp",
+        type=int,
+        default=None,
+        help=f"tensor-parallel degree: ranks, one GPU each (default: 1; demo on cpu: {DEMO_TP})",
     )
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--cuda-graph", action="store_true", help="decode from CUDA graphs (cuda only)")
+    add_model_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1", help="interface to listen on")
     parser.add_argument("--port", type=port_number, default=8000, help="port (0: a free one)")
     parser.add_argument(
         "--served-model-name", default=None, help="model id in the API (default: directory name)"
     )
-    parser.add_argument("--max-slots", type=int, default=16, help="concurrent decoding requests")
-    parser.add_argument(
-        "--kv-pages",
-        type=int,
-        default=None,
-        help="KV pages per rank (default: 512 on cpu, all that fit on cuda)",
-    )
+    add_max_slots_argument(parser)
     parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     parser.add_argument("--max-batch-tokens", type=int, default=2048, help="tokens of one prefill step")
     parser.add_argument(
@@ -72,7 +86,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_MAX_BODY_BYTES,
         help=f"largest request body; larger ones get 413 (default: {DEFAULT_MAX_BODY_BYTES}, 8 MiB)",
     )
-    parser.add_argument("--log-level", default="warning", help="uvicorn's access/error log level")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("PHALANX_API_KEY") or None,
+        help="every route but /health and /metrics wants 'Authorization: Bearer KEY' "
+        "(default: $PHALANX_API_KEY; unset: no key is asked for)",
+    )
+    parser.add_argument(
+        "--chat-template",
+        default=None,
+        help="a jinja chat template file, or the template itself, in place of the checkpoint's "
+        "(default: the checkpoint's tokenizer_config.json or chat_template.jinja)",
+    )
+    parser.add_argument(
+        "--stats-interval",
+        type=seconds,
+        default=5.0,
+        help="seconds between stats lines (throughput, requests, KV use) while busy; 0: none",
+    )
+    add_log_arguments(parser)
     add_launch_arguments(parser)
 
 
@@ -97,31 +129,30 @@ def positive_int(text: str) -> int:
     return value
 
 
-def curl_line(base: str, model: str) -> str:
-    body = {
-        "model": model,
-        "messages": [{"role": "user", "content": "Hello! Who are you?"}],
-        "max_tokens": 32,
-    }
-    return f"curl {base}/v1/chat/completions -H 'Content-Type: application/json' -d {shlex.quote(json.dumps(body))}"
+def seconds(text: str) -> float:
+    """A finite duration of 0 seconds or more."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be 0 or more seconds, got {text!r}")
+    return value
 
 
-def eager_decode_note(device: str, cuda_graph: bool) -> str | None:
-    """What serve prints when a replica will decode eagerly where the user might expect otherwise:
-    on CUDA without ``--cuda-graph`` (graphs are opt-in: the pre-capture sweep adds seconds to
-    startup, and they are what makes small batches fast), and with ``--cuda-graph`` on a device
-    that has no CUDA graphs."""
-    if device == "cuda" and not cuda_graph:
-        return (
-            "note: decode runs eagerly; --cuda-graph replays one CUDA graph per batch bucket "
-            "(4B geometry, batch 1 on an H200: about 2.4 ms a step, against 6-12 ms eagerly)"
-        )
-    if device != "cuda" and cuda_graph:
-        return (
-            f"note: --cuda-graph has no effect on {device}: decode runs the graph runner's static "
-            "buffers and pre-capture sweep eagerly"
-        )
-    return None
+def curl_line(base: str, model: str, chat: bool = True, with_key: bool = False) -> str:
+    """A curl command that works against this server: chat when the model has a chat template,
+    else a plain completion. A key is never printed: the line reads it from $PHALANX_API_KEY."""
+    if chat:
+        route = "chat/completions"
+        body = {"model": model, "messages": [{"role": "user", "content": "Hello! Who are you?"}]}
+    else:
+        route, body = "completions", {"model": model, "prompt": "Hello! My name is"}
+    body["max_tokens"] = 32
+    auth = ' -H "Authorization: Bearer $PHALANX_API_KEY"' if with_key else ""
+    return (
+        f"curl {base}/v1/{route} -H 'Content-Type: application/json'{auth} -d {shlex.quote(json.dumps(body))}"
+    )
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -134,33 +165,61 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def run(args: argparse.Namespace) -> int:
-    from executor.engine import Engine, EngineConfig
-
+def _model_and_name(args: argparse.Namespace) -> tuple[Path, str]:
+    """The model directory and served name: the demo's unless ``--model`` is given."""
     if args.model is None:
         from tools.demo_model import demo_model_dir
 
-        tp = DEMO_TP if args.tp is None else args.tp
-        model_dir, name = demo_model_dir(), args.served_model_name or "tiny-demo"
-    else:
-        model_dir, tp, name = args.model, 1 if args.tp is None else args.tp, args.served_model_name
+        return demo_model_dir(), args.served_model_name or "tiny-demo"
+    return args.model, args.served_model_name or args.model.name
+
+
+def _tp(args: argparse.Namespace, choice: LaunchChoice) -> int:
+    """``--tp``, else 1; the CPU demo runs at TP 2 to show tensor parallelism on any laptop."""
+    if args.tp is not None:
+        return args.tp
+    return DEMO_TP if args.model is None and choice.device == "cpu" else 1
+
+
+def _model_problem(model_dir: Path, chat_template: str | None) -> str | None:
+    """What keeps the model from being served, checked before any rank starts (None: nothing)."""
+    from server.chat_template import ChatTemplate, ChatTemplateError
+
     problem = model_dir_problem(model_dir)
+    if problem is None and chat_template is not None:
+        try:
+            ChatTemplate.from_model_dir(model_dir, chat_template)
+        except ChatTemplateError as e:
+            problem = f"--chat-template: {e}"
+    return problem
+
+
+def run(args: argparse.Namespace) -> int:
+    from executor.engine import Engine, EngineConfig
+    from executor.logs import configure_logging
+
+    configure_logging(args.log_level, args.log_format)
+    model_dir, name = _model_and_name(args)
+    problem = _model_problem(model_dir, args.chat_template)
+    if problem is None:
+        try:
+            choice = choose_launch(args, model_dir, args.max_slots)
+        except ValueError as exc:
+            problem = str(exc)
     if problem is not None:
         print(f"phalanx serve: error: {problem}", file=sys.stderr)
         return 2
-    kv_pages = args.kv_pages if args.kv_pages is not None else (512 if args.device == "cpu" else 0)
+    setproctitle(f"phalanx serve ({name})")
+    tp = _tp(args, choice)
     config = EngineConfig(
         model_dir=model_dir,
         tp=tp,
-        device=args.device,
-        max_slots=args.max_slots,
-        kv_pages=kv_pages,
         page_size=args.page_size,
         max_batch_tokens=args.max_batch_tokens,
         step_timeout=args.step_timeout,
-        cuda_graph=args.cuda_graph,
         pipeline=args.pipeline,
         executor_options={"shutdown_timeout": args.shutdown_grace, **executor_options(args)},
+        **choice.engine_fields(),
     )
     try:
         sock = _listen(args.host, args.port)
@@ -175,7 +234,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     with sock:
         try:
-            _serve(args, engine, sock, model_dir, name, tp)
+            _serve(args, engine, sock, model_dir, name, tp, choice)
         finally:
             clean = engine.shutdown(args.shutdown_grace)
     if not clean:
@@ -213,31 +272,54 @@ class _StoppingServer:
 
 
 def _serve(
-    args: argparse.Namespace, engine: Any, sock: socket.socket, model_dir: Path, name: str | None, tp: int
+    args: argparse.Namespace,
+    engine: Any,
+    sock: socket.socket,
+    model_dir: Path,
+    name: str,
+    tp: int,
+    choice: LaunchChoice,
 ) -> None:
     import uvicorn
 
     from server.app import create_app
+    from server.stats_log import StatsLog
 
-    app = create_app(engine, model_dir, name, args.default_max_tokens, args.max_body_bytes)
-    model = app.state.phalanx.model_name
+    app = create_app(
+        engine,
+        model_dir,
+        name,
+        args.default_max_tokens,
+        api_key=args.api_key,
+        chat_template=args.chat_template,
+        max_body_bytes=args.max_body_bytes,
+    )
+    state = app.state.phalanx
     host, port = sock.getsockname()[:2]
     base = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
-    print(f"phalanx serving {model!r} (tp={tp}, {args.device}) on {base}", flush=True)
-    print(f"try: {curl_line(base, model)}", flush=True)
-    note = eager_decode_note(args.device, args.cuda_graph)
-    if note:
-        print(note, flush=True)
+    decode = "CUDA graphs" if choice.cuda_graph else "eager"
+    print(
+        f"phalanx serving {name!r} (tp={tp}, {choice.device}, {choice.dtype}, {decode} decode) on {base}",
+        flush=True,
+    )
+    print(f"try: {curl_line(base, name, state.template is not None, bool(args.api_key))}", flush=True)
     # The app has no lifespan handlers. With them on, the SIGINT that uvicorn re-raises after
     # draining could cancel the lifespan task mid-shutdown, which logged a spurious traceback.
+    # log_config=None: uvicorn's records go through our log pipeline; the access log is ours.
     server = uvicorn.Server(
         uvicorn.Config(
-            app, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_grace, lifespan="off"
+            app,
+            log_config=None,
+            access_log=False,
+            timeout_graceful_shutdown=args.shutdown_grace,
+            lifespan="off",
         )
     )
     _StoppingServer(server, engine)
+    stats = StatsLog(engine.stats, state.metrics.totals, args.stats_interval) if args.stats_interval else None
     try:  # uvicorn drains, then re-raises the signal it stopped on (the CLI's StopSignal)
-        server.run(sockets=[sock])
+        with stats or contextlib.nullcontext():
+            server.run(sockets=[sock])
     except (KeyboardInterrupt, StopSignal) as stop:
         stopped_by = "SIGINT" if isinstance(stop, KeyboardInterrupt) else str(stop)
         print(

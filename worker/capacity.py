@@ -1,59 +1,153 @@
-"""How much one rank can hold: from the configured limits on CPU, from free memory on CUDA."""
+"""How much one rank can hold: from the configured limits on CPU, from measured memory on CUDA.
+
+On CUDA the rank may use ``gpu_memory_utilization`` of the GPU's total memory (vLLM's meaning).
+What is in use once the weights are loaded (weights, CUDA context, other processes), the
+activations measured by a profile run (``worker.memory_profile``), the CUDA graphs' pool and a
+fixed slack come off that; the rest holds request states and KV pages. Without an explicit
+``max_slots``, up to the largest graph bucket of requests decode together, their states taking
+at most half of the rest, so the KV pool keeps at least the other half.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from protocol.messages import Capacity
-from worker.buckets import MAX_GRAPH_BATCH, size_graph_slot_reserve
+from worker.buckets import MAX_GRAPH_BATCH, buckets_up_to, size_graph_slot_reserve, state_slot_layout
 from worker.config import WorkerLimits
+from worker.memory_profile import ActivationProfile
 
-# Kept free on CUDA for activations, the prefill scratch and the allocator. Capacity is sized
-# before the process group exists, so the fraction also leaves room for NCCL's communicator
-# buffers and for CUDA graphs' private pools (together a few GiB on a 141 GB GPU).
-CUDA_RESERVE_BYTES = 512 << 20
-CUDA_MEMORY_FRACTION = 0.9
-MIB = 1 << 20
+# Kept free beyond the measured use: the allocator's fragmentation and cuBLAS/Triton workspaces.
+CUDA_SLACK_BYTES = 512 << 20
+# NCCL's communicator buffers and the one-shot all-reduce's symmetric memory, made after sizing.
+COMMUNICATOR_BYTES = 1 << 30
+GIB = 1 << 30
 
 
 class CapacityError(RuntimeError):
     pass
 
 
-def size_capacity(
-    limits: WorkerLimits, model, device: torch.device, rank: int, cuda_graph: bool = False
-) -> Capacity:
-    """Each request needs two state slots (prefill staging and decode) and its KV pages.
+@dataclass(frozen=True)
+class MemoryPlan:
+    """One rank's CUDA memory, as sized at startup (bytes)."""
 
-    With CUDA graphs the decode slots are the graph slot reserve, sized by the effective bucket
-    (``worker.buckets.size_graph_slot_reserve``), and the batch is at most the largest bucket.
-    """
-    max_slots = min(limits.max_slots, MAX_GRAPH_BATCH) if cuda_graph else limits.max_slots
+    total: int
+    allowed: int  # total × gpu_memory_utilization
+    in_use: int  # after loading: weights, CUDA context, other processes
+    weights: int
+    activations: int
+    graphs: int
+    slack: int
+    state_per_slot: int
+    kv_per_page: int
+
+    @property
+    def for_caches(self) -> int:
+        return self.allowed - self.in_use - self.activations - self.graphs - self.slack
+
+
+def size_capacity(
+    limits: WorkerLimits,
+    model,
+    device: torch.device,
+    rank: int,
+    cuda_graph: bool = False,
+    activations: ActivationProfile | None = None,
+) -> tuple[Capacity, MemoryPlan | None]:
+    """(this rank's capacity, its memory plan on CUDA). Each request needs two state slots
+    (prefill staging and decode) and its KV pages; with CUDA graphs the decode slots are the
+    graph slot reserve, sized by the effective bucket (``size_graph_slot_reserve``)."""
     if device.type != "cuda":
-        return Capacity(limits.kv_pages, limits.page_size, max_slots, limits.max_batch_tokens)
-    free, _total = torch.cuda.mem_get_info(device)
-    budget = int(free * CUDA_MEMORY_FRACTION) - CUDA_RESERVE_BYTES
-    per_request_state = 2 * model.state_bytes_per_slot()
+        slots = min(limits.max_slots, MAX_GRAPH_BATCH) if cuda_graph else limits.max_slots
+        return Capacity(limits.kv_pages, limits.page_size, slots, limits.max_batch_tokens), None
+    plan = _plan(limits, model, device, cuda_graph, activations or ActivationProfile(0, 0))
+    budget = plan.for_caches
+    if budget <= 0:
+        raise CapacityError(_does_not_fit(rank, limits, plan))
+    state = plan.state_per_slot
+    requested = limits.max_slots or MAX_GRAPH_BATCH
     if cuda_graph:
-        state = model.state_bytes_per_slot()
+        requested = min(requested, MAX_GRAPH_BATCH)
+    states_budget = budget // 2 if limits.max_slots == 0 else budget
+    if cuda_graph:
         reserve = size_graph_slot_reserve(
-            max_slots, max(0, budget), state, lambda left: min(max_slots, max(0, left) // state)
+            requested, states_budget, state, lambda left: min(requested, max(0, left) // state)
         )
         slots = reserve.max_batch
-        # The graph reserve holds the decode slots (and the spare ones up to the bucket).
-        budget -= reserve.reserve_bytes - slots * state
+        state_bytes = reserve.reserve_bytes + slots * state
     else:
-        slots = min(max_slots, max(0, budget) // per_request_state)
+        slots = min(requested, states_budget // (2 * state))
+        state_bytes = 2 * slots * state
     if slots < 1:
         raise CapacityError(
-            f"rank {rank} has {free // MIB} MiB free, but one request's recurrent state needs "
-            f"{per_request_state // MIB} MiB beyond the {CUDA_RESERVE_BYTES // MIB} MiB reserve and "
-            f"the {1 - CUDA_MEMORY_FRACTION:.0%} kept for the communicator"
+            f"rank {rank}: one request's recurrent state needs {2 * state / GIB:.2f} GiB, but only "
+            f"{budget / GIB:.2f} GiB is left for caches ({_describe(limits, plan)})"
         )
-    budget -= slots * per_request_state
-    pages = budget // model.kv_bytes_per_page(limits.page_size) - 1  # one page is the padding page
+    pages = (budget - state_bytes) // plan.kv_per_page - 1  # one page is the padding page
     if limits.kv_pages:
         pages = min(pages, limits.kv_pages)
     if pages < 1:
-        raise CapacityError(f"rank {rank} has no memory left for KV pages after {slots} request states")
-    return Capacity(int(pages), limits.page_size, int(slots), limits.max_batch_tokens)
+        raise CapacityError(
+            f"rank {rank}: no memory is left for KV pages after {slots} request states "
+            f"({_describe(limits, plan)})"
+        )
+    return Capacity(int(pages), limits.page_size, int(slots), limits.max_batch_tokens), plan
+
+
+def _plan(
+    limits: WorkerLimits, model, device: torch.device, cuda_graph: bool, activations: ActivationProfile
+) -> MemoryPlan:
+    free, total = torch.cuda.mem_get_info(device)
+    return MemoryPlan(
+        total=total,
+        allowed=int(total * limits.gpu_memory_utilization),
+        in_use=total - free,
+        weights=model.weight_bytes,
+        activations=activations.serving,
+        # One pool serves every bucket's graph; the largest bucket's decode is its high-water mark.
+        graphs=activations.decode if cuda_graph else 0,
+        slack=CUDA_SLACK_BYTES + (COMMUNICATOR_BYTES if model.world_size > 1 else 0),
+        state_per_slot=model.state_bytes_per_slot(),
+        kv_per_page=model.kv_bytes_per_page(limits.page_size),
+    )
+
+
+def _describe(limits: WorkerLimits, plan: MemoryPlan) -> str:
+    return (
+        f"--gpu-memory-utilization {limits.gpu_memory_utilization:g} allows {plan.allowed / GIB:.1f} "
+        f"of the GPU's {plan.total / GIB:.1f} GiB; in use after loading {plan.in_use / GIB:.1f} GiB "
+        f"(weights {plan.weights / GIB:.1f} GiB), activations {plan.activations / GIB:.2f} GiB, "
+        f"CUDA graphs {plan.graphs / GIB:.2f} GiB"
+    )
+
+
+def _does_not_fit(rank: int, limits: WorkerLimits, plan: MemoryPlan) -> str:
+    return (
+        f"rank {rank}: the model does not fit: nothing is left for the KV cache and request states "
+        f"({_describe(limits, plan)}); raise --gpu-memory-utilization, use more GPUs (--tp), "
+        "or lower --max-batch-tokens"
+    )
+
+
+def memory_line(
+    capacity: Capacity, plan: MemoryPlan | None, model, cuda_graph: bool, max_context: int
+) -> str:
+    """The one line a rank logs once its effective capacity is known."""
+    layout = state_slot_layout(capacity.max_slots, cuda_graph)
+    kv = (capacity.kv_pages + 1) * model.kv_bytes_per_page(capacity.page_size)
+    states = layout.total * model.state_bytes_per_slot()
+    buckets = buckets_up_to(capacity.max_slots) if cuda_graph else ()
+    parts = [
+        f"weights {model.weight_bytes / GIB:.2f} GiB",
+        f"KV {kv / GIB:.2f} GiB ({capacity.kv_pages:,} pages of {capacity.page_size} tokens)",
+        f"request states {states / GIB:.2f} GiB ({capacity.max_slots} slots)",
+        f"max context {max_context:,} tokens",
+        f"graph buckets {buckets[0]}-{buckets[-1]}" if buckets else "eager decode",
+    ]
+    if plan is not None:
+        parts.append(f"activations {plan.activations / GIB:.2f} GiB")
+        parts.append(f"{plan.allowed / GIB:.1f} of {plan.total / GIB:.1f} GiB allowed")
+    return ", ".join(parts)

@@ -8,15 +8,17 @@ import msgspec
 
 
 class WorkerLimits(msgspec.Struct, frozen=True):
-    """Configured upper bounds. On CPU they are the capacity; on CUDA free memory may lower them.
+    """Configured upper bounds. On CPU they are the capacity; on CUDA memory may lower them.
 
-    ``kv_pages`` 0 on CUDA means "as many as fit".
+    On CUDA ``kv_pages`` 0 means "as many as fit" and ``max_slots`` 0 "as many as the largest
+    graph bucket, if their states fit in half of the cache memory" (``worker.capacity``).
     """
 
     kv_pages: int
     page_size: int
     max_slots: int
     max_batch_tokens: int
+    gpu_memory_utilization: float = 0.9  # the fraction of the GPU's total memory this rank may use
 
 
 class WorkerConfig(msgspec.Struct, frozen=True):
@@ -34,6 +36,7 @@ class WorkerConfig(msgspec.Struct, frozen=True):
     heartbeat_interval: float = 0.0  # > 0 for ranks the coordinator did not spawn
     coordinator_grace: float = 10.0  # such ranks exit after this long without a coordinator
     log_level: str = "info"
+    log_format: str = "console"  # "console" or "json" (protocol.logs)
     auth_key: str = ""  # hex HMAC-SHA256 key of the tcp control plane ("" on ipc: no authentication)
     cuda_graph: bool = False  # decode through per-bucket graphs (eager static buffers on CPU)
 

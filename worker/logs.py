@@ -1,27 +1,15 @@
-"""Structured logs for a rank: every line carries rank, epoch and seq (bound as context vars)."""
+"""Logs of a rank: every line carries rank, epoch and seq (bound as context vars), rendered in the
+format shared with the coordinator (``protocol.logs``)."""
 
 from __future__ import annotations
 
-import logging
-import sys
-
 import structlog
 
+from protocol.logs import configure_logging as _configure
 
-def configure_logging(rank: int, epoch: int, level: str = "info") -> None:
-    structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso"),
-            structlog.processors.KeyValueRenderer(
-                key_order=["timestamp", "level", "rank", "epoch", "seq", "event"]
-            ),
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
-        logger_factory=structlog.WriteLoggerFactory(sys.stderr),  # one write per line: ranks share stderr
-        cache_logger_on_first_use=False,
-    )
+
+def configure_logging(rank: int, epoch: int, level: str = "info", log_format: str = "console") -> None:
+    _configure(level, log_format, coordinator=False)
     structlog.contextvars.clear_contextvars()
     structlog.contextvars.bind_contextvars(rank=rank, epoch=epoch, seq=0)
 

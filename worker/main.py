@@ -13,10 +13,12 @@ import threading
 import time
 import traceback
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import structlog
 import torch
+from setproctitle import setproctitle
 from tqdm import tqdm
 
 from protocol import PROTOCOL_VERSION, ProtocolError, decode_envelope, encode
@@ -33,8 +35,8 @@ from protocol.messages import (
     ReplyEnvelope,
 )
 from protocol.transport import RankSocket, connection_identity
-from worker.buckets import state_slot_layout
-from worker.capacity import size_capacity
+from worker.buckets import MAX_GRAPH_BATCH, bucket_for, state_slot_layout
+from worker.capacity import GIB, CapacityError, memory_line, size_capacity
 from worker.commands import StepRunner
 from worker.config import WorkerConfig, ranks_on_this_host
 from worker.faults import fault_point, wrap_socket
@@ -42,6 +44,7 @@ from worker.graphs import build_graph_runner, precapture_handler
 from worker.heartbeat import HeartbeatThread
 from worker.logs import bind_epoch, configure_logging
 from worker.loop import EXIT_OK, EXIT_POISONED, CommandLoop
+from worker.memory_profile import measure_activations
 from worker.watchdog import Watchdog
 
 log = structlog.get_logger("phalanx.worker")
@@ -154,17 +157,31 @@ def _startup(sock: RankSocket, config: WorkerConfig) -> tuple[StepRunner, int] |
         device = _device(config)
         phase = "startup:load"
         fault_point("load", config.rank)
-        model = Qwen35Model.load(
-            config.model_dir,
-            rank=config.rank,
-            world_size=config.world_size,
-            device=device,
-            dtype=_dtype(config),
-            # One bar per host is readable; CPU loads (tests, the demo) are too short to need one.
-            progress=config.device == "cuda" and config.local_rank == 0,
-        )
+        try:
+            model = Qwen35Model.load(
+                config.model_dir,
+                rank=config.rank,
+                world_size=config.world_size,
+                device=device,
+                dtype=_dtype(config),
+                # One bar per host is readable; CPU loads (tests, the demo) are too short to need one.
+                progress=config.device == "cuda" and config.local_rank == 0,
+            )
+        except torch.OutOfMemoryError as exc:
+            free, total = torch.cuda.mem_get_info(device)
+            raise CapacityError(
+                f"rank {config.rank}: the model's weights do not fit on {device} "
+                f"({total / GIB:.1f} GiB, {free / GIB:.1f} GiB free); use more GPUs (--tp)"
+            ) from exc
         phase = "startup:capacity"
-        local = size_capacity(config.limits, model, device, config.rank, config.cuda_graph)
+        activations = None
+        if device.type == "cuda":
+            requested = config.limits.max_slots or MAX_GRAPH_BATCH
+            rows = bucket_for(min(requested, MAX_GRAPH_BATCH)) if config.cuda_graph else requested
+            activations = measure_activations(model, device, config.limits.max_batch_tokens, rows)
+        local, memory = size_capacity(
+            config.limits, model, device, config.rank, config.cuda_graph, activations
+        )
     except Exception as exc:
         raise StartupFailure(phase, exc, epoch) from exc
     ready = Ready(local, str(device), os.getpid(), socket.gethostname(), challenge.nonce)
@@ -181,6 +198,9 @@ def _startup(sock: RankSocket, config: WorkerConfig) -> tuple[StepRunner, int] |
         effective: Capacity = decision.capacity
         if not (0 < effective.max_slots <= local.max_slots and 0 < effective.kv_pages <= local.kv_pages):
             raise ValueError(f"effective capacity {effective} exceeds local capacity {local}")
+        if config.rank == 0:
+            context = min(model.config.max_position_embeddings, effective.kv_pages * effective.page_size)
+            log.info("memory", plan=memory_line(effective, memory, model, config.cuda_graph, context))
         phase = "startup:dist_init"
         _init_distributed(config, decision, device)
         model.tp.enable_one_shot(model.dtype, device)
@@ -209,7 +229,9 @@ def _startup(sock: RankSocket, config: WorkerConfig) -> tuple[StepRunner, int] |
 
 
 def run_worker(config: WorkerConfig) -> int:
-    configure_logging(config.rank, config.epoch, config.log_level)
+    configure_logging(config.rank, config.epoch, config.log_level, config.log_format)
+    # ps and top name the rank instead of multiprocessing's spawn command line
+    setproctitle(f"phalanx rank {config.rank}/{config.world_size} ({Path(config.model_dir).name})")
     # tqdm's default lock is a multiprocessing semaphore, which a rank leaving through os._exit
     # leaks (the parent's resource tracker then warns); a rank's bars need only a thread lock.
     tqdm.set_lock(threading.RLock())

@@ -90,6 +90,10 @@ class FullAttention:
         )
         self.decode_attention = BoundDecodeAttention(self.k_cache, self.v_cache, self.scale)
 
+    def release(self) -> None:
+        self.k_cache = self.v_cache = None
+        self.norm_rope_write_kv = self.decode_attention = None
+
     def __call__(
         self,
         x: torch.Tensor,
@@ -165,6 +169,10 @@ class GatedDeltaNet:
             self.eps,
             self.recurrent_state,
         )
+
+    def release(self) -> None:
+        self.recurrent_state = self.conv_state = None
+        self.decode_step = None
 
     def __call__(
         self, x: torch.Tensor, residual: torch.Tensor | None, ctx: StepContext

@@ -51,6 +51,7 @@ class Qwen35Model:
         )
         self.page_size = 0
         self.num_state_slots = 0
+        self.weight_bytes = sum(t.numel() * t.element_size() for t in weights.values())
 
     @classmethod
     def load(
@@ -120,6 +121,21 @@ class Qwen35Model:
             gdn.allocate(num_state_slots)
         self.page_size = page_size
         self.num_state_slots = num_state_slots
+
+    def release_cache(self) -> None:
+        """Drop the KV pages and state slots (allocate_cache makes new ones)."""
+        for attention in self._attention_layers:
+            attention.release()
+        for gdn in self._linear_layers:
+            gdn.release()
+        self.page_size = 0
+        self.num_state_slots = 0
+
+    def cache_bytes(self, num_pages_total: int, page_size: int, num_state_slots: int) -> int:
+        return (
+            num_pages_total * self.kv_bytes_per_page(page_size)
+            + num_state_slots * self.state_bytes_per_slot()
+        )
 
     def copy_state(self, src_slot: int, dst_slot: int) -> None:
         """Copy recurrent and conv state of every linear layer from one slot to another."""

@@ -20,6 +20,9 @@ class TensorParallel:
         self.rank = rank
         self.world_size = world_size
         self.one_shot: OneShotAllReduce | None = None
+        # Set while a rank measures its activations before the process group exists: collectives
+        # are skipped (their outputs keep their shapes), so the numbers are garbage but the memory real.
+        self.local_only = False
 
     def enable_one_shot(self, dtype: torch.dtype, device: torch.device) -> bool:
         """Route small all-reduces through symmetric memory where the GPUs allow it (after the
@@ -29,7 +32,7 @@ class TensorParallel:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of x over ranks: the returned tensor (x itself on the NCCL/gloo path)."""
-        if self.world_size == 1:
+        if self.world_size == 1 or self.local_only:
             return x
         if self.one_shot is not None and self.one_shot.fits(tuple(x.shape), x.dtype):
             return self.one_shot(x)
@@ -38,7 +41,7 @@ class TensorParallel:
 
     def broadcast_from_first(self, x: torch.Tensor) -> None:
         """Overwrite x on every rank with rank 0's x."""
-        if self.world_size > 1:
+        if self.world_size > 1 and not self.local_only:
             dist.broadcast(x, src=0)
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
@@ -46,6 +49,8 @@ class TensorParallel:
         if self.world_size == 1:
             return x
         gathered = torch.empty((self.world_size, *x.shape), dtype=x.dtype, device=x.device)
+        if self.local_only:
+            return gathered.permute(1, 0, 2).reshape(x.shape[0], -1)
         dist.all_gather(list(gathered.unbind(0)), x.contiguous())
         return gathered.permute(1, 0, 2).reshape(x.shape[0], -1)
 
@@ -63,7 +68,7 @@ class RowParallelLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         tp = self.tp
         shape = (x.shape[0], self.weight.shape[0])
-        if tp.world_size == 1 or tp.one_shot is None or not tp.one_shot.fits(shape, x.dtype):
+        if tp.world_size == 1 or tp.local_only or tp.one_shot is None or not tp.one_shot.fits(shape, x.dtype):
             return tp.all_reduce(self.linear(x))
         return tp.one_shot.reduce(ops.linear(x, self.weight, out=tp.one_shot.stage(shape)))
 

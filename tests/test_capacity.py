@@ -1,0 +1,94 @@
+"""CUDA capacity math on the CPU: the GPU's memory report is a test double, the sizing is real.
+
+``--gpu-memory-utilization`` of the total, less what is in use after loading, the measured
+activations, the graphs' pool and the slack, holds request states and KV pages; without
+``--max-slots`` up to 256 requests, their states taking at most half of that."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from worker.capacity import CUDA_SLACK_BYTES, GIB, CapacityError, memory_line, size_capacity
+from worker.config import WorkerLimits
+from worker.memory_profile import ActivationProfile
+
+MIB = 1 << 20
+CUDA = torch.device("cuda", 0)
+
+
+@dataclass
+class _Model:
+    weight_bytes: int = 8 * GIB
+    world_size: int = 1
+    state: int = 48 * MIB
+    kv_page: int = 512 * 1024
+
+    def state_bytes_per_slot(self) -> int:
+        return self.state
+
+    def kv_bytes_per_page(self, page_size: int) -> int:
+        return self.kv_page
+
+
+@pytest.fixture
+def gpu(monkeypatch: pytest.MonkeyPatch):
+    memory = {"free": 130 * GIB, "total": 140 * GIB}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (memory["free"], memory["total"]))
+    return memory
+
+
+def _limits(**overrides: object) -> WorkerLimits:
+    fields = dict(kv_pages=0, page_size=16, max_slots=0, max_batch_tokens=2048, gpu_memory_utilization=0.9)
+    return WorkerLimits(**{**fields, **overrides})
+
+
+def test_defaults_take_256_slots_and_give_the_rest_to_kv_pages(gpu: dict[str, int]) -> None:
+    model, activations = _Model(), ActivationProfile(prefill=GIB, decode=GIB // 2)
+    capacity, plan = size_capacity(_limits(), model, CUDA, 0, cuda_graph=True, activations=activations)
+    assert plan is not None
+    budget = int(140 * GIB * 0.9) - 10 * GIB - GIB - GIB // 2 - CUDA_SLACK_BYTES
+    assert plan.for_caches == budget
+    assert capacity.max_slots == 256
+    states = (256 + 256) * model.state  # decode slots (the 256 bucket) + prefill staging
+    assert capacity.kv_pages == (budget - states) // model.kv_page - 1
+    line = memory_line(capacity, plan, model, True, 32768)
+    assert "(256 slots)" in line and "graph buckets 1-256" in line and "activations 1.00 GiB" in line
+
+
+def test_states_take_at_most_half_of_the_cache_memory_by_default(gpu: dict[str, int]) -> None:
+    model = _Model(state=400 * MIB)  # 256 requests would need 200 GiB of states
+    capacity, plan = size_capacity(_limits(), model, CUDA, 0, cuda_graph=False)
+    assert plan is not None
+    assert 2 * capacity.max_slots * model.state <= plan.for_caches // 2
+    assert 2 * (capacity.max_slots + 1) * model.state > plan.for_caches // 2
+
+
+def test_an_explicit_max_slots_and_kv_pages_cap_what_fits(gpu: dict[str, int]) -> None:
+    capacity, _ = size_capacity(_limits(max_slots=8, kv_pages=1000), _Model(), CUDA, 0, cuda_graph=True)
+    assert (capacity.max_slots, capacity.kv_pages) == (8, 1000)
+
+
+def test_a_lower_utilization_shrinks_the_pool(gpu: dict[str, int]) -> None:
+    full, _ = size_capacity(_limits(), _Model(), CUDA, 0)
+    half, _ = size_capacity(_limits(gpu_memory_utilization=0.5), _Model(), CUDA, 0)
+    assert half.kv_pages < full.kv_pages // 2
+
+
+def test_a_model_that_leaves_nothing_for_caches_is_one_sentence(gpu: dict[str, int]) -> None:
+    gpu["free"] = 20 * GIB  # 120 GiB in use after loading: above the 0.5 × 140 allowed
+    with pytest.raises(CapacityError) as caught:
+        size_capacity(_limits(gpu_memory_utilization=0.5), _Model(weight_bytes=118 * GIB), CUDA, 3)
+    assert str(caught.value) == (
+        "rank 3: the model does not fit: nothing is left for the KV cache and request states "
+        "(--gpu-memory-utilization 0.5 allows 70.0 of the GPU's 140.0 GiB; in use after loading "
+        "120.0 GiB (weights 118.0 GiB), activations 0.00 GiB, CUDA graphs 0.00 GiB); raise "
+        "--gpu-memory-utilization, use more GPUs (--tp), or lower --max-batch-tokens"
+    )
+
+
+def test_cpu_capacity_is_the_configured_limits() -> None:
+    capacity, plan = size_capacity(_limits(kv_pages=64, max_slots=4), _Model(), torch.device("cpu"), 0)
+    assert (capacity.kv_pages, capacity.max_slots, plan) == (64, 4, None)
