@@ -146,6 +146,11 @@ class InFlight:
 
 
 def rank_pids(server_pid: int) -> list[int]:
-    """The server's spawned ranks, in rank order (the order they were started)."""
+    """The server's spawned ranks, in rank order (read from their process titles)."""
     children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
-    return [int(pid) for pid in children if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    ranks = {}
+    for pid in children:
+        title = re.match(rb"phalanx rank (\d+)/", Path(f"/proc/{pid}/cmdline").read_bytes())
+        if title is not None:
+            ranks[int(title.group(1))] = int(pid)
+    return [ranks[rank] for rank in sorted(ranks)]

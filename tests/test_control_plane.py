@@ -27,7 +27,7 @@ FORGED = 10_000
 @pytest.fixture(scope="module")
 def served(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Served, Path]]:
     log_path = tmp_path_factory.mktemp("control") / "serve.log"
-    args = ["--model", str(tiny_model_dir), "--tp", "2", "--kv-pages", "64"]
+    args = ["--model", str(tiny_model_dir), "--tp", "2", "--kv-pages", "64", "--log-format", "json"]
     with serve_process(args, log_path) as server:
         yield server, log_path
 
@@ -83,7 +83,7 @@ def test_a_local_replica_listens_on_loopback_only(served: tuple[Served, Path]) -
 
 def test_forged_frames_are_counted_and_logged_at_a_bounded_rate(served: tuple[Served, Path]) -> None:
     server, log_path = served
-    address = re.search(r"address='(ipc://\S+)'", log_path.read_text()).group(1)
+    address = re.search(r'"address":"(ipc://[^"]+)"', log_path.read_text()).group(1)
     forger = zmq.Context.instance().socket(zmq.DEALER)
     forger.setsockopt(zmq.LINGER, 0)
     forger.connect(address)
@@ -100,5 +100,5 @@ def test_forged_frames_are_counted_and_logged_at_a_bounded_rate(served: tuple[Se
     assert httpx.get(server.url + "/health").status_code == 200
     assert metric(server.url, "phalanx_engine_poisoned") == 0
     log = log_path.read_text()
-    assert log.count("event='reply frame rejected'") == 10
-    assert 1 <= log.count("event='reply frame rejected (summary)'") <= 10, log[-3000:]
+    assert log.count('"event":"reply frame rejected"') == 10
+    assert 1 <= log.count('"event":"reply frame rejected (summary)"') <= 10, log[-3000:]

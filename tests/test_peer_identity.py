@@ -26,7 +26,8 @@ PROMPT = [9, 99, 199, 299]
 
 
 def _rank(rank: int, model_dir: Path, address: str, master_port: int, log: Path) -> subprocess.Popen:
-    return start_attached_rank(rank, model_dir, address, master_port, 2, "--log-level", "info", log=log)
+    extra = ("--log-level", "info", "--log-format", "json")
+    return start_attached_rank(rank, model_dir, address, master_port, 2, *extra, log=log)
 
 
 def _stop(processes: list[subprocess.Popen]) -> None:
@@ -63,7 +64,7 @@ def _received(sock: zmq.Socket) -> list[str]:
 
 def _wait_logged(log: Path, event: str) -> None:
     deadline = time.monotonic() + 60
-    while f"event='{event}'" not in log.read_text():
+    while f'"event":"{event}"' not in log.read_text():
         assert time.monotonic() < deadline, log.read_text()[-3000:]
         time.sleep(0.05)
 

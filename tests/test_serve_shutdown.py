@@ -19,7 +19,7 @@ from protocol.transport import RuntimeDir
 
 
 def _args(model_dir: Path, *extra: str) -> list[str]:
-    return ["--model", str(model_dir), "--tp", "2", "--kv-pages", "128", *extra]
+    return ["--model", str(model_dir), "--tp", "2", "--kv-pages", "128", "--log-format", "json", *extra]
 
 
 @pytest.mark.parametrize(("stop", "stream"), [("SIGINT", True), ("SIGTERM", False)])
@@ -49,7 +49,7 @@ def test_a_stop_ends_every_open_request_at_once(
         assert json.loads(request.lines[0])["error"]["message"] == reason
     log = log_path.read_text()
     assert "Traceback" not in log and "poisoned" not in log, log[-3000:]
-    assert log.count("event='shutdown'") == 2, log[-3000:]  # every rank stopped in order
+    assert log.count('"event":"shutdown"') == 2, log[-3000:]  # every rank stopped in order
     assert took < 5.0, f"the stop took {took:.1f} s"
 
 
@@ -78,7 +78,7 @@ def test_a_stop_with_hung_ranks_kills_them_after_the_grace(tiny_model_dir: Path,
 def test_a_killed_coordinator_leaves_no_ipc_socket(tiny_model_dir: Path, tmp_path: Path) -> None:
     log_path = tmp_path / "serve.log"
     with serve_process(_args(tiny_model_dir), log_path) as served:
-        found = re.search(r"address='ipc://(\S+)'", log_path.read_text())
+        found = re.search(r'"address":"ipc://([^"]+)"', log_path.read_text())
         assert found is not None
         socket_path = Path(found.group(1))
         assert socket_path.exists()
@@ -93,7 +93,7 @@ def test_a_killed_coordinator_leaves_no_ipc_socket(tiny_model_dir: Path, tmp_pat
 def test_the_next_start_sweeps_what_a_killed_replica_left(tiny_model_dir: Path, tmp_path: Path) -> None:
     log_path = tmp_path / "serve.log"
     with serve_process(_args(tiny_model_dir), log_path, new_session=True) as served:
-        socket_path = Path(re.search(r"address='ipc://(\S+)'", log_path.read_text()).group(1))
+        socket_path = Path(re.search(r'"address":"ipc://([^"]+)"', log_path.read_text()).group(1))
         os.killpg(served.process.pid, signal.SIGKILL)  # coordinator and ranks alike: nobody cleans up
         served.process.wait()
     time.sleep(0.5)
