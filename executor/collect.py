@@ -9,18 +9,23 @@ from __future__ import annotations
 
 import structlog
 
-from protocol.messages import Failed, Heartbeat, ReplyEnvelope
+from protocol.messages import Failed, Heartbeat, Refused, ReplyEnvelope
 
 log = structlog.get_logger("phalanx.executor")
 
 
 class RankFailed(Exception):
-    """A rank answered ``Failed``; the text is the poison reason."""
+    """A rank answered ``Failed`` (or ``Refused``: it executed nothing); the text is the poison
+    reason."""
 
-    def __init__(self, op: str, rank: int, failed: Failed) -> None:
-        super().__init__(f"rank {rank} failed during {op} ({failed.phase}): {failed.message}")
+    def __init__(self, op: str, rank: int, failed: Failed | Refused) -> None:
+        if isinstance(failed, Refused):
+            text = f"rank {rank} refused {op}, a command outside the wire limits: {failed.message}"
+        else:
+            text = f"rank {rank} failed during {op} ({failed.phase}): {failed.message}"
+        super().__init__(text)
         self.rank = rank
-        self.failed = failed
+        self.message = failed.message
 
 
 class StepCollection:
@@ -45,7 +50,7 @@ class StepCollection:
                 "stale reply rejected", op=self.op, reply_rank=reply.rank, reply_seq=reply.seq, seq=self.seq
             )
             return
-        if isinstance(reply.body, Failed):
+        if isinstance(reply.body, Failed | Refused):
             raise RankFailed(self.op, reply.rank, reply.body)
         self.replies.append(reply)
 

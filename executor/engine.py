@@ -84,10 +84,13 @@ class EngineExecutor(StepExecutor, Protocol):
 
     model_info: Any
     poison_reason: str | None
+    rejected_frames: int
 
     def ping(self) -> None: ...
 
-    def shutdown(self) -> None: ...
+    def interrupt(self, reason: str) -> None: ...
+
+    def shutdown(self) -> bool: ...
 
 
 def launch(config: EngineConfig) -> EngineExecutor:
@@ -195,13 +198,38 @@ class Engine:
     def stats(self) -> EngineStats:
         return self._stats
 
-    def shutdown(self) -> None:
+    @property
+    def rejected_frames(self) -> int:
+        """Frames from the ranks' side that the coordinator dropped (forged, undecodable, ...)."""
+        return self._executor.rejected_frames
+
+    @property
+    def closed_reason(self) -> str | None:
+        """Why ``submit`` refuses: the engine is stopping, shut down or poisoned; None while open."""
+        return self._closed_reason
+
+    def stop_admission(self, reason: str) -> None:
+        """Refuse new requests and end every open one now with an ErrorEvent(``reason``), cancelling
+        it on the ranks; callable from any thread (a server that is stopping calls it first)."""
+        with self._lock:
+            open_ids = list(self._open)
+        self._close(reason)
+        for request_id in open_ids:
+            self.cancel(request_id)
+
+    def shutdown(self, grace_s: float | None = None) -> bool:
         """Stop the scheduler thread, end open requests with an error, shut the ranks down
-        (idempotent)."""
+        (idempotent). A step still waiting for the ranks after ``grace_s`` (None: no limit) fails
+        at once, which poisons and kills them. True when the shutdown was clean: never poisoned,
+        and every rank acknowledged Shutdown."""
         atexit.unregister(self.shutdown)
         self._inbox.put(_STOP)
-        self._thread.join()
-        self._executor.shutdown()
+        self._thread.join(grace_s)
+        if self._thread.is_alive():
+            self._executor.interrupt(f"the shutdown grace of {grace_s:g} s ran out")
+            self._thread.join()
+        acknowledged = self._executor.shutdown()
+        return acknowledged and self.poison_reason is None
 
     def __enter__(self) -> Engine:
         return self

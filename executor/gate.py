@@ -1,17 +1,21 @@
-"""The startup gate: Ready or Failed from every rank within a deadline, then Go with the effective
+"""The startup gate: the handshake that binds each rank to its connection (``protocol.messages``),
+Ready or Failed from every rank within a deadline, then Go with the effective
 capacity (the element-wise minimum) or Cancel, then a first Ping that every rank answers once its
 distributed init is done. Any failure names the rank and the phase."""
 
 from __future__ import annotations
 
+import hmac
+import secrets
 import time
 
 import structlog
 
 from executor.errors import StartupError
-from executor.link import RankLink
+from executor.link import KeyMismatch, RankLink
 from protocol import PROTOCOL_VERSION, encode
-from protocol.messages import Ack, Cancel, Capacity, Envelope, Failed, Go, Ping, Ready
+from protocol.auth import SECRET_ENV
+from protocol.messages import Ack, Cancel, Capacity, Challenge, Envelope, Failed, Go, Hello, Ping, Ready
 
 log = structlog.get_logger("phalanx.executor")
 
@@ -51,9 +55,56 @@ def _death(link: RankLink, phase: str) -> None:
         )
 
 
+class _Handshakes:
+    """Which connection is which rank: a signed Hello gets a Challenge with a nonce for that
+    connection; the first Ready that echoes it binds the rank to the connection."""
+
+    def __init__(self, link: RankLink, epoch: int) -> None:
+        self.link = link
+        self.epoch = epoch
+        self.nonces: dict[bytes, bytes] = {}
+        self.refused_claims: set[int] = set()  # ranks whose second claim was logged (once each)
+
+    def hello(self, peer: bytes) -> None:
+        nonce = secrets.token_bytes(16)
+        self.nonces[peer] = nonce
+        self.link.send_to_peer(peer, encode(Envelope(PROTOCOL_VERSION, self.epoch, 0, Challenge(nonce))))
+
+    def bind(self, peer: bytes, rank: int, ready: Ready, epoch: int) -> bool:
+        """Bind ``rank`` to ``peer``; False (and logged) when the Ready is refused."""
+        expected = self.nonces.get(peer)
+        if epoch != self.epoch or expected is None or not hmac.compare_digest(expected, ready.nonce):
+            log.warning(
+                "ready refused: it does not answer this connection's challenge (a replayed hello)",
+                claimed_rank=rank,
+            )
+            return False
+        handle = self.link.ranks[rank]
+        if handle.identity == peer:
+            raise StartupError(f"rank {rank} reported Ready twice", rank, "startup:gate")
+        if handle.identity is not None:
+            if rank not in self.refused_claims:
+                self.refused_claims.add(rank)
+                log.error("a second claim of a bound rank refused", claimed_rank=rank)
+            return False
+        handle.identity = peer
+        return True
+
+
+def _key_mismatch(link: RankLink, epoch: int, exc: KeyMismatch) -> StartupError:
+    """Tell the peer (it cannot verify the Cancel either, which is how it learns) and fail."""
+    reason = (
+        f"a rank's frames fail authentication ({exc.detail}): {SECRET_ENV} differs between the "
+        "coordinator and that rank"
+    )
+    link.send_to_peer(exc.peer, encode(Envelope(PROTOCOL_VERSION, epoch, 0, Cancel(reason))))
+    return StartupError(reason, phase="startup:handshake")
+
+
 def _collect_ready(link: RankLink, epoch: int, deadline: float, timeout: float) -> dict[int, Ready]:
     world_size = len(link.ranks)
     ready: dict[int, Ready] = {}
+    handshakes = _Handshakes(link, epoch)
     while len(ready) < world_size:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -63,19 +114,24 @@ def _collect_ready(link: RankLink, epoch: int, deadline: float, timeout: float) 
                 missing[0] if len(missing) == 1 else None,
                 "startup:load",
             )
-        for identity, reply in link.wait(remaining, epoch, startup=True):
+        try:
+            replies = link.wait(remaining, epoch, startup=True)
+        except KeyMismatch as exc:
+            raise _key_mismatch(link, epoch, exc) from None
+        for identity, reply in replies:
             if not 0 <= reply.rank < world_size:
                 raise StartupError(
                     f"a rank reported out-of-range rank {reply.rank} for world size {world_size}"
                 )
             if isinstance(reply.body, Failed):
                 raise _failure(reply.rank, reply.body)
-            if not isinstance(reply.body, Ready):
+            if isinstance(reply.body, Hello):
+                handshakes.hello(identity)
+            if not isinstance(reply.body, Ready) or not handshakes.bind(
+                identity, reply.rank, reply.body, reply.epoch
+            ):
                 continue
-            if reply.rank in ready:
-                raise StartupError(f"rank {reply.rank} reported Ready twice", reply.rank, "startup:gate")
             ready[reply.rank] = reply.body
-            link.ranks[reply.rank].identity = identity
             log.info("rank ready", ready_rank=reply.rank, host=reply.body.host, capacity=reply.body.capacity)
         if len(ready) < world_size:
             _death(link, "startup:load")
@@ -108,7 +164,12 @@ def _await_first_ping(link: RankLink, epoch: int, deadline: float, timeout: floa
 
 
 def run_startup_gate(
-    link: RankLink, epoch: int, timeout: float, dist_init_method: str, dist_backend: str
+    link: RankLink,
+    epoch: int,
+    timeout: float,
+    dist_init_method: str,
+    dist_backend: str,
+    collective_timeout: float = 0.0,
 ) -> Capacity:
     """Returns the effective capacity once every rank serves; raises StartupError otherwise
     (after sending Cancel to the ranks that are waiting for a decision)."""
@@ -126,6 +187,12 @@ def run_startup_gate(
                     log.warning("cancel not delivered", cancel_rank=rank.rank, error=str(send_error))
         raise
     log.info("startup gate open", capacity=capacity)
-    link.broadcast(encode(Envelope(PROTOCOL_VERSION, epoch, 0, Go(capacity, dist_init_method, dist_backend))))
+    link.broadcast(
+        encode(
+            Envelope(
+                PROTOCOL_VERSION, epoch, 0, Go(capacity, dist_init_method, dist_backend, collective_timeout)
+            )
+        )
+    )
     _await_first_ping(link, epoch, deadline, timeout)
     return capacity

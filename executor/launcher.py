@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import multiprocessing
 import secrets
-import socket
 
 import structlog
 
@@ -28,11 +27,9 @@ __all__ = ["ExecutorConfig", "launch_executor"]
 
 log = structlog.get_logger("phalanx.executor")
 
-
-def _free_tcp_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((host, 0))
-        return probe.getsockname()[1]
+# Collectives time out before the step does: a rank waiting for a hung peer then fails in time
+# for the coordinator to name the peer (the one that did not answer) within the step's deadline.
+COLLECTIVE_SHARE_OF_STEP = 0.8
 
 
 def _auth_key(config: ExecutorConfig) -> bytes | None:
@@ -45,7 +42,11 @@ def _auth_key(config: ExecutorConfig) -> bytes | None:
 def _spawn_ranks(config: ExecutorConfig, address: str, epoch: int, key: bytes | None) -> list[RankHandle]:
     context = multiprocessing.get_context("spawn")
     limits = WorkerLimits(
-        config.kv_pages, config.page_size, config.max_slots, config.max_batch_tokens, config.gpu_memory_utilization
+        config.kv_pages,
+        config.page_size,
+        config.max_slots,
+        config.max_batch_tokens,
+        config.gpu_memory_utilization,
     )
     ranks = []
     for rank in range(config.tp):
@@ -80,8 +81,12 @@ def launch_executor(config: ExecutorConfig) -> Executor:
     model_info = read_model_info(config.model_dir)
     epoch = secrets.randbits(62) | 1
     bind(epoch, 0)
-    runtime_dir = RuntimeDir() if config.transport == "ipc" else None
-    address = runtime_dir.ipc_address() if runtime_dir else tcp_address(config.host, config.port)
+    # Spawned ranks share this host: their sockets and rendezvous file live in a private directory.
+    runtime_dir = None if config.attach else RuntimeDir()
+    if config.transport == "ipc" and runtime_dir is not None:
+        address = runtime_dir.ipc_address()
+    else:
+        address = tcp_address(config.host, config.port)
     key = _auth_key(config)
     sock = CoordinatorSocket(address, coordinator_authenticator(key, config.tp) if key else None)
     if config.attach:
@@ -90,7 +95,8 @@ def launch_executor(config: ExecutorConfig) -> Executor:
         dist_init_method = "env://"
     else:
         ranks = _spawn_ranks(config, sock.address, epoch, key)
-        dist_init_method = tcp_address("127.0.0.1", _free_tcp_port("127.0.0.1"))
+        # A file store, not a TCPStore: rank 0's TCPStore would listen on every interface.
+        dist_init_method = f"file://{runtime_dir.path}/dist-store"
     trace = (
         open_trace(config.record, epoch=epoch, world_size=config.tp, meta=vars(config))
         if config.record
@@ -99,7 +105,14 @@ def launch_executor(config: ExecutorConfig) -> Executor:
     link = RankLink(sock, ranks, config.heartbeat_timeout, trace)
     backend = "nccl" if config.device == "cuda" else "gloo"
     try:
-        capacity = run_startup_gate(link, epoch, config.startup_timeout, dist_init_method, backend)
+        capacity = run_startup_gate(
+            link,
+            epoch,
+            config.startup_timeout,
+            dist_init_method,
+            backend,
+            collective_timeout=config.step_timeout * COLLECTIVE_SHARE_OF_STEP,
+        )
     except BaseException as exc:
         stopped = not isinstance(exc, Exception)  # Ctrl-C or SIGTERM: the caller reports the stop
         if stopped:  # nothing a starting rank holds is worth waiting for

@@ -13,6 +13,7 @@ import zmq
 from executor.ranks import RankHandle
 from protocol import PROTOCOL_VERSION, ProtocolError, decode_reply, encode
 from protocol.messages import Cancel, Envelope, Heartbeat, ReplyEnvelope
+from protocol.rejections import RejectionLog
 from protocol.trace import TraceWriter
 from protocol.transport import CoordinatorSocket
 
@@ -31,6 +32,15 @@ class DispatchError(Exception):
         self.error = error
 
 
+class KeyMismatch(Exception):
+    """During startup, a peer's frame failed the HMAC check: its key is not the coordinator's."""
+
+    def __init__(self, peer: bytes, detail: str) -> None:
+        super().__init__(detail)
+        self.peer = peer
+        self.detail = detail
+
+
 class RankLink:
     def __init__(
         self,
@@ -43,12 +53,22 @@ class RankLink:
         self.trace = trace  # records every frame sent and received (``--record``)
         self.ranks = ranks
         self.heartbeat_timeout = heartbeat_timeout
-        self.rejected_frames = 0
+        self.rejections = RejectionLog(log, "reply frame rejected")
         self._poller = zmq.Poller()
         self._poller.register(sock.socket, zmq.POLLIN)
         for rank in ranks:
             if rank.sentinel is not None:
                 self._poller.register(rank.sentinel, zmq.POLLIN)
+
+    @property
+    def rejected_frames(self) -> int:
+        """Frames dropped so far: undecodable, unauthenticated, foreign, or from no rank."""
+        return self.rejections.total
+
+    def send_to_peer(self, peer: bytes, payload: bytes) -> None:
+        """Send to a connection not bound to a rank (yet): a Challenge, or a Cancel."""
+        with contextlib.suppress(zmq.ZMQError):  # a peer that left already needs no answer
+            self.sock.send(peer, payload)
 
     def broadcast(self, payload: bytes, ranks: list[RankHandle] | None = None) -> None:
         """Send ``payload`` to every rank (rank order); a rank that cannot be reached raises."""
@@ -68,7 +88,8 @@ class RankLink:
     def wait(self, timeout_s: float, epoch: int, startup: bool = False) -> list[tuple[bytes, ReplyEnvelope]]:
         """Replies that arrive within ``min(timeout_s, POLL_SLICE_S)`` (heartbeats only update
         liveness). Frames that fail decoding or carry a foreign epoch are dropped and counted.
-        During startup a rank that does not know the epoch yet may send epoch 0."""
+        During startup a rank that does not know the epoch yet may send epoch 0, and a frame with
+        a wrong HMAC tag raises KeyMismatch (a rank with another secret never gets better)."""
         events = dict(self._poller.poll(max(0.0, min(timeout_s, POLL_SLICE_S)) * 1000))
         exited = [rank for rank in self.ranks if rank.sentinel is not None and rank.sentinel in events]
         if exited:
@@ -89,20 +110,27 @@ class RankLink:
                     raise ProtocolError(
                         ProtocolError.FOREIGN_EPOCH, f"reply has epoch {reply.epoch}, expected {epoch}"
                     )
+                if not startup and not isinstance(reply.body, Heartbeat):
+                    self._check_bound(identity, reply.rank)
             except ProtocolError as exc:
-                self.rejected_frames += 1
-                log.warning(
-                    "reply frame rejected",
-                    reason=exc.reason,
-                    detail=exc.detail,
-                    rejected=self.rejected_frames,
-                )
+                if startup and exc.cause == "bad_tag" and exc.peer is not None:
+                    raise KeyMismatch(exc.peer, exc.detail) from None
+                self.rejections.record(exc.reason, detail=exc.detail)
                 continue
             if 0 <= reply.rank < len(self.ranks):
                 self.ranks[reply.rank].heard()
             if not isinstance(reply.body, Heartbeat):
                 received.append((identity, reply))
         return received
+
+    def _check_bound(self, identity: bytes, rank: int) -> None:
+        """A reply counts only from a connection that a rank's handshake bound (which rank it
+        claims is for the reply's validation to judge)."""
+        if all(handle.identity != identity for handle in self.ranks):
+            raise ProtocolError(
+                ProtocolError.UNBOUND_PEER,
+                f"a reply claiming rank {rank} came from a connection no rank is bound to",
+            )
 
     def first_death(
         self, local_only: bool = False, among: Collection[int] | None = None

@@ -11,10 +11,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from executor.events import Event
-from protocol.messages import SamplingParams
+from protocol.messages import (
+    GREEDY_BELOW,
+    INT32_MAX,
+    INT64_MAX,
+    INT64_MIN,
+    MAX_LOGPROBS,
+    MAX_TEMPERATURE,
+    SamplingParams,
+)
 
-MAX_TOP_LOGPROBS = 20
-_INT64 = 1 << 63
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -37,37 +46,41 @@ class GenerationParams:
 
     def validate(self, vocab_size: int) -> None:
         """Raise ValueError naming the first bad field."""
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= INT32_MAX:
+            raise ValueError(f"max_tokens must be an integer in [1, {INT32_MAX}], got {self.max_tokens!r}")
+        if not math.isfinite(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(
+                f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}"
+            )
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or not -_INT64 <= self.seed < _INT64):
+        if not _is_int(self.top_k) or not 0 <= self.top_k <= INT32_MAX:
+            raise ValueError(
+                f"top_k must be an integer in [0, {INT32_MAX}] (0 disables it), got {self.top_k!r}"
+            )
+        if self.seed is not None and (not _is_int(self.seed) or not INT64_MIN <= self.seed <= INT64_MAX):
             raise ValueError(f"seed must be a 64-bit signed integer, got {self.seed!r}")
         if self.logprobs is not None and (
-            not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS
+            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
-            raise ValueError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}")
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         for name, ids in (("logit_bias", self.logit_bias or {}), ("stop_token_ids", self.stop_token_ids)):
             for token in ids:
-                if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
+                if not _is_int(token) or not 0 <= token < vocab_size:
                     raise ValueError(
                         f"{name}: token id {token!r} is outside the vocabulary [0, {vocab_size})"
                     )
         if any(not math.isfinite(bias) for bias in (self.logit_bias or {}).values()):
             raise ValueError("logit_bias values must be finite numbers")
         if self.prompt_logprobs is not None and (
-            not isinstance(self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS
+            not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
         ):
             raise ValueError(
-                f"prompt_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs!r}"
+                f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}"
             )
-        if isinstance(self.min_tokens, bool) or not 0 <= self.min_tokens <= self.max_tokens:
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
 
     def sampling(self, prompt_length: int, eos_token_ids: tuple[int, ...] = ()) -> SamplingParams:
@@ -76,13 +89,15 @@ class GenerationParams:
         0's draws follow from the commands alone and a recorded trace replays token for token.
         ``min_tokens`` becomes a ban of the ids that would end the request, up to the position of
         its last required token."""
+        # a temperature too small to divide by is greedy (protocol.messages.GREEDY_BELOW)
+        temperature = 0.0 if self.temperature < GREEDY_BELOW else float(self.temperature)
         seed = self.seed
-        if seed is None and self.temperature > 0:
+        if seed is None and temperature > 0:
             seed = secrets.randbits(63)
         ending = sorted({*self.stop_token_ids, *(() if self.ignore_eos else eos_token_ids)})
         banned = self.min_tokens > 0 and ending
         return SamplingParams(
-            temperature=float(self.temperature),
+            temperature=temperature,
             top_k=self.top_k,
             top_p=float(self.top_p),
             seed=seed,

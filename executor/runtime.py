@@ -55,6 +55,12 @@ log = structlog.get_logger("phalanx.executor")
 T = TypeVar("T")
 
 
+def _timed_out(message: str) -> bool:
+    """Whether a rank's failure is a collective's timeout (gloo: "Timed out", NCCL: "timeout")."""
+    text = message.lower()
+    return "timed out" in text or "timeout" in text
+
+
 @dataclass(frozen=True)
 class InFlight:
     """A command sent to every rank whose replies are not collected yet."""
@@ -86,11 +92,18 @@ class Executor:
         self._seq = first_seq
         self._poison = Poison()
         self._closed = False
+        self._clean_shutdown = False
+        self._interrupted: str | None = None  # set from another thread: the waiting step fails
         self._collections: dict[int, StepCollection] = {}  # seq -> replies of a step in flight
 
     @property
     def poison_reason(self) -> str | None:
         return self._poison.reason
+
+    @property
+    def rejected_frames(self) -> int:
+        """Frames the coordinator dropped: undecodable, unauthenticated, foreign, from no rank."""
+        return self._link.rejected_frames
 
     @property
     def address(self) -> str:
@@ -163,16 +176,23 @@ class Executor:
         replies = self._step("precapture", Precapture(phase), timeout)
         self._validated(lambda: responses.validate_acks("precapture", replies, self.world_size))
 
-    def shutdown(self) -> None:
-        """Shutdown to every rank, a bounded join, then kill; idempotent."""
+    def interrupt(self, reason: str) -> None:
+        """Make the step waiting for replies fail at once (within one poll slice), naming the
+        ranks that did not answer; callable from any thread."""
+        self._interrupted = reason
+
+    def shutdown(self) -> bool:
+        """Shutdown to every rank, a bounded join, then kill; idempotent. True when every rank
+        acknowledged the Shutdown."""
         if self._closed:
-            return
+            return self._clean_shutdown
         self._closed = True
         grace = self.config.shutdown_timeout
         if self._poison.reason is None:
             started = time.monotonic()
             try:
                 self._step("shutdown", Shutdown(), timeout=grace)
+                self._clean_shutdown = True
             except ExecutorError as exc:
                 log.warning("shutdown was not acknowledged by every rank", error=str(exc))
             grace = max(0.0, grace - (time.monotonic() - started))
@@ -183,6 +203,7 @@ class Executor:
         if self._runtime_dir is not None:
             self._runtime_dir.remove()
         log.info("executor shut down")
+        return self._clean_shutdown
 
     def __enter__(self) -> Executor:
         return self
@@ -227,6 +248,8 @@ class Executor:
         op, collection = step.op, self._collections[step.seq]
         bind(self.epoch, step.seq)
         while not collection.done:
+            if self._interrupted is not None:
+                self._fail(f"{self._interrupted} while {op} waited for ranks {collection.missing_ranks()}")
             remaining = step.deadline - time.monotonic()
             if remaining <= 0:
                 self._fail(
@@ -237,7 +260,15 @@ class Executor:
                     self._collections.get(reply.seq, collection).offer(reply)
             except RankFailed as exc:
                 killed = self._link.killed_peer(exc.rank)
-                self._fail(str(exc) if killed is None else f"{killed.death(0.0)} during {op}")
+                if killed is not None:
+                    self._fail(f"{killed.death(0.0)} during {op}")
+                silent = [rank for rank in collection.missing_ranks() if rank != exc.rank]
+                if silent and _timed_out(exc.message):  # it waited for them in a collective
+                    self._fail(
+                        f"{op}: ranks {silent} did not answer (rank {exc.rank} timed out waiting for them:"
+                        f" {exc.message})"
+                    )
+                self._fail(str(exc))
             if not collection.done:
                 # A rank that already answered may leave (Shutdown); only a silent one is dead.
                 dead = self._link.first_death(among=collection.missing_ranks())

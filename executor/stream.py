@@ -9,6 +9,7 @@ error) the stream ignores anything else: a request ends exactly once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections import deque
@@ -56,7 +57,9 @@ class RequestStream:
             waiter, self._waiter = self._waiter, None
         if waiter is not None:
             loop, future = waiter
-            loop.call_soon_threadsafe(_wake, future)
+            # a reader whose loop has closed (the server stopped) waits for nothing any more
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_wake, future)
         if is_final(event):
             self._on_final(self.request_id)
         return True

@@ -7,15 +7,15 @@ An authenticated frame is::
 The tag covers everything before it. ``sender`` is a rank, or :data:`COORDINATOR`; ``counter``
 grows by one per frame a sender signs. A receiver accepts only the senders it expects (a rank
 never accepts a frame signed by a rank, so a reply cannot be reflected back as a command) and
-keeps, per sender, a sliding window of the counters it has seen: a counter seen before, or older
-than the window, is a replay and is dropped.
+keeps, per sender and connection, a sliding window of the counters it has seen: a counter seen
+before, or older than the window, is a replay and is dropped.
 
 Spawned ranks get a fresh random key per launch (:func:`new_key`), so frames recorded in one
 launch never verify in another. Ranks started elsewhere (torchrun, SLURM) derive the key from the
 shared secret in ``PHALANX_SECRET`` (:func:`key_from_secret`); they cannot know the launch before
 its Go, so a frame of an earlier launch is refused by its foreign epoch instead.
-Every rejected frame raises ``ProtocolError(UNAUTHENTICATED)``, is counted in ``drops`` and is
-logged (the first few in full, then a summary at most once a second).
+Every rejected frame raises ``ProtocolError(UNAUTHENTICATED)`` and is counted in ``drops``; the
+receiver logs it at a bounded rate (``protocol.rejections``).
 """
 
 from __future__ import annotations
@@ -27,10 +27,7 @@ import os
 import secrets
 import struct
 import threading
-import time
 from collections.abc import Iterable
-
-import structlog
 
 from protocol.errors import ProtocolError
 from protocol.transport import Framer
@@ -45,9 +42,6 @@ SECRET_ENV = "PHALANX_SECRET"
 _HEADER = struct.Struct("<BIQ")
 _WINDOW_MASK = (1 << REPLAY_WINDOW) - 1
 OVERHEAD = _HEADER.size + TAG_BYTES
-_DETAILED_LOG_LINES = 10
-
-log = structlog.get_logger("phalanx.auth")
 
 
 def new_key() -> bytes:
@@ -139,11 +133,10 @@ class FrameAuthenticator(Framer):
         self.sender = sender
         self._accept = None if accept is None else frozenset(accept)
         self._counter = itertools.count(1)
-        self._windows: dict[int, _ReplayWindow] = {}
+        self._windows: dict[tuple[bytes, int], _ReplayWindow] = {}
         self._lock = threading.Lock()
         self.accepted = 0
         self.drops: collections.Counter[str] = collections.Counter()
-        self._last_summary = 0.0
 
     @property
     def dropped(self) -> int:
@@ -154,8 +147,11 @@ class FrameAuthenticator(Framer):
         body = header + payload
         return body + hmac.digest(self._key, body, "sha256")
 
-    def verify(self, frame: bytes) -> bytes:
-        """Return the payload of an authentic, fresh frame; otherwise count, log and raise."""
+    def verify(self, frame: bytes, peer: bytes = b"") -> bytes:
+        """Return the payload of an authentic, fresh frame; otherwise count and raise.
+
+        Freshness is kept per connection (``peer``, the sender's ZeroMQ identity at a ROUTER): a
+        frame replayed on a connection of its own cannot use up the counters of the genuine one."""
         if len(frame) < OVERHEAD:
             self._drop("short", f"frame of {len(frame)} bytes is shorter than the {OVERHEAD}-byte minimum")
         frame = bytes(frame)
@@ -170,7 +166,7 @@ class FrameAuthenticator(Framer):
                 "sender", f"{sender_name(self.sender)} does not accept frames from {sender_name(sender)}"
             )
         with self._lock:
-            window = self._windows.setdefault(sender, _ReplayWindow())
+            window = self._windows.setdefault((peer, sender), _ReplayWindow())
             problem = window.check(counter)
             if problem is None:
                 window.accept(counter)
@@ -183,23 +179,13 @@ class FrameAuthenticator(Framer):
     def seal(self, payload: bytes) -> list[bytes]:
         return [self.sign(payload)]
 
-    def open(self, frames: list[bytes]) -> bytes:
+    def open(self, frames: list[bytes], peer: bytes = b"") -> bytes:
         if len(frames) != 1:
             self._drop("framing", f"expected 1 frame, got {len(frames)}")
-        return self.verify(frames[0])
+        return self.verify(frames[0], peer)
 
     def _drop(self, reason: str, detail: str) -> None:
+        """Count the frame and raise; the receiver logs it (``protocol.rejections``)."""
         with self._lock:
             self.drops[reason] += 1
-            total = sum(self.drops.values())
-            now = time.monotonic()
-            summarise = total > _DETAILED_LOG_LINES and now - self._last_summary >= 1.0
-            if summarise:
-                self._last_summary = now
-        if total <= _DETAILED_LOG_LINES:
-            log.warning("frame dropped", endpoint=sender_name(self.sender), reason=reason, detail=detail)
-        elif summarise:
-            log.warning(
-                "frames dropped", endpoint=sender_name(self.sender), total=total, by_reason=dict(self.drops)
-            )
-        raise ProtocolError(ProtocolError.UNAUTHENTICATED, detail)
+        raise ProtocolError(ProtocolError.UNAUTHENTICATED, detail, cause=reason)

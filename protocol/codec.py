@@ -1,4 +1,7 @@
-"""The one codec: msgpack via msgspec, typed decoding, version and epoch checks."""
+"""The one codec: msgpack via msgspec, typed decoding, version and epoch checks.
+
+``encode`` checks what it encodes against the wire limits of ``protocol.messages`` (by decoding
+it again), so a value that does not fit raises here, before it is sent, rather than at a rank."""
 
 from __future__ import annotations
 
@@ -13,7 +16,16 @@ _reply_decoder = msgspec.msgpack.Decoder(ReplyEnvelope)
 
 
 def encode(message: Envelope | ReplyEnvelope) -> bytes:
-    return _encoder.encode(message)
+    what = "command" if isinstance(message, Envelope) else "reply"
+    try:
+        frame = _encoder.encode(message)
+    except OverflowError as exc:  # an integer beyond msgpack's 64 bits
+        raise ProtocolError(ProtocolError.OUT_OF_RANGE, f"{what} cannot be encoded: {exc}") from None
+    try:
+        (_envelope_decoder if what == "command" else _reply_decoder).decode(frame)
+    except msgspec.ValidationError as exc:
+        raise ProtocolError(ProtocolError.OUT_OF_RANGE, f"{what} does not fit the wire: {exc}") from None
+    return frame
 
 
 def _decode(decoder: msgspec.msgpack.Decoder, frame: bytes, epoch: int | None, what: str):
@@ -24,6 +36,8 @@ def _decode(decoder: msgspec.msgpack.Decoder, frame: bytes, epoch: int | None, w
         reason = ProtocolError.UNKNOWN_TAG if "Invalid value" in text and "op`" in text else None
         if reason is None and "Invalid value" in text and "phase`" in text:
             reason = ProtocolError.UNKNOWN_TAG
+        if reason is None and any(bound in text for bound in ("<=", ">=", " < ", " > ")):
+            reason = ProtocolError.OUT_OF_RANGE
         raise ProtocolError(reason or ProtocolError.UNDECODABLE, f"{what}: {text}") from None
     except msgspec.DecodeError as exc:
         raise ProtocolError(ProtocolError.UNDECODABLE, f"{what}: {exc}") from None
@@ -37,6 +51,25 @@ def _decode(decoder: msgspec.msgpack.Decoder, frame: bytes, epoch: int | None, w
             ProtocolError.FOREIGN_EPOCH, f"{what} has epoch {message.epoch}, expected {epoch}"
         )
     return message
+
+
+class _Header(msgspec.Struct):
+    proto: int
+    epoch: int
+    seq: int
+    body: msgspec.Raw
+
+
+_header_decoder = msgspec.msgpack.Decoder(_Header)
+
+
+def envelope_header(frame: bytes) -> tuple[int, int, int] | None:
+    """(proto, epoch, seq) of a command frame whose body may not decode; None if even those do not."""
+    try:
+        header = _header_decoder.decode(frame)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return None
+    return header.proto, header.epoch, header.seq
 
 
 def decode_envelope(frame: bytes, epoch: int | None = None) -> Envelope:

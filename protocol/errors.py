@@ -11,8 +11,12 @@ class ProtocolError(Exception):
     WRONG_VERSION = "wrong_version"
     FOREIGN_EPOCH = "foreign_epoch"
     UNAUTHENTICATED = "unauthenticated"
+    OUT_OF_RANGE = "out_of_range"
+    UNBOUND_PEER = "unbound_peer"
 
-    def __init__(self, reason: str, detail: str) -> None:
+    def __init__(self, reason: str, detail: str, cause: str = "") -> None:
         super().__init__(f"protocol error ({reason}): {detail}")
         self.reason = reason
         self.detail = detail
+        self.cause = cause  # the finer reason an authenticator dropped the frame ("bad_tag", ...)
+        self.peer: bytes | None = None  # the sender's ZeroMQ identity, where the socket knows it

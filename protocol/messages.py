@@ -7,11 +7,20 @@ one msgpack object per token.
 
 Lifecycle of a rank, as seen on the wire::
 
-    rank  -> coordinator   Ready(capacity) | Failed(phase="startup:...")
+    rank  -> coordinator   Hello                        (signed: the rank's claim of its identity)
+    coord -> that peer     Challenge(nonce)             (epoch: this launch's)
+    rank  -> coordinator   Ready(capacity, nonce) | Failed(phase="startup:...")
     coord -> every rank    Go(effective capacity, dist init) | Cancel(reason)
     coord -> every rank    Envelope(Ping | Prefill | Decode | Unified | DropRequest | Precapture)*
-    rank  -> coordinator   ReplyEnvelope(Ack | DropAck | PrefillDone | DecodeDone | UnifiedDone | Failed)
+    rank  -> coordinator   ReplyEnvelope(Ack | DropAck | PrefillDone | DecodeDone | UnifiedDone | Failed
+                                         | Refused)
     coord -> every rank    Envelope(Shutdown)   (answered with Ack, then the rank exits)
+
+The handshake binds a rank to the connection it speaks on: the coordinator answers each signed
+Hello with a fresh nonce for that connection only, and takes the first Ready that is signed by the
+rank, carries this launch's epoch and echoes the nonce sent on the same connection; from then on
+that rank's commands go to that connection alone. A second claim of a bound rank, a Ready whose
+nonce does not match (a replayed hello) and a peer that never sent a signed Hello get nothing.
 
 Rank 0 is the primary: it samples and returns the token payloads; every other rank answers a
 Prefill/Decode/Unified with Ack. A DropRequest is answered with DropAck by every rank.
@@ -25,19 +34,39 @@ that way too: the prompt's last chunk names the decode slot it feeds (``feed_slo
 answers a Decode or Unified as soon as its tokens are on the host. If the next command arrives
 before that and is a Decode or Unified, rank 0 launches it first, then answers; any other command
 runs only after the answer is out. Replies always leave a rank in seq order.
+
+Wire limits: every integer is bounded by its Meta annotation (token ids, positions, slots and
+counts fit int32; request ids and seeds int64), temperatures are finite and at most
+``MAX_TEMPERATURE``, ``top_p`` is in (0, 1]. ``protocol.codec.encode`` refuses a command outside
+them before it is sent, and a rank's decoder refuses a frame outside them, so no value that a
+rank cannot compute with ever reaches it.
 """
 
 from __future__ import annotations
 
 import enum
+from typing import Annotated
 
 import msgspec
 
 # 2: pipelined decode (FED_TOKEN rows); 3: a prefill feeds the first decode;
 # 4: SamplingParams carries min_p, logit_bias and banned ids (min_tokens);
 # 5: prompt logprobs (PrefillChunk.prompt_logprobs and next_token, PromptLogprobs in the replies);
-# 6: constrained output (PrefillChunk.grammar)
-PROTOCOL_VERSION = 6
+# 6: constrained output (PrefillChunk.grammar); 7: bounded values, the Hello / Challenge handshake
+PROTOCOL_VERSION = 7
+
+INT32_MAX = (1 << 31) - 1
+INT64_MIN = -(1 << 63)
+INT64_MAX = (1 << 63) - 1
+MAX_TEMPERATURE = 2.0
+MAX_LOGPROBS = 20
+GREEDY_BELOW = 1e-5
+"""A temperature below this samples greedily: dividing logits by it would overflow to inf."""
+
+Int32 = Annotated[int, msgspec.Meta(ge=-INT32_MAX - 1, le=INT32_MAX)]
+Count = Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)]
+Int64 = Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]
+RequestId = Annotated[int, msgspec.Meta(ge=1, le=INT64_MAX)]
 
 # ---------------------------------------------------------------------------------------------
 # Shared pieces
@@ -47,7 +76,7 @@ PROTOCOL_VERSION = 6
 class SamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
     """How rank 0 picks a request's next token.
 
-    temperature 0 means greedy (ties go to the smallest id). top_k 0 and top_p 1.0 disable those
+    temperature 0 (or below ``GREEDY_BELOW``) means greedy (ties go to the smallest id). top_k 0 and top_p 1.0 disable those
     filters. With a seed, the draw depends only on (seed, position), never on the batch. The
     coordinator gives every request that samples a seed (its own, or one it draws), so a command
     fixes its tokens; a command without one (only a hand-made trace sends it) draws unseeded.
@@ -60,15 +89,15 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults
     Reported logprobs stay those of the raw distribution, before bias and bans.
     """
 
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    logprobs: int | None = None
-    min_p: float = 0.0
-    logit_bias: dict[int, float] | None = None
-    banned_ids: list[int] | None = None
-    banned_until: int = 0
+    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=MAX_TEMPERATURE)] = 0.0
+    top_k: Count = 0
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
+    seed: Int64 | None = None
+    logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
+    logit_bias: dict[Count, Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]] | None = None
+    banned_ids: list[Count] | None = None
+    banned_until: Count = 0
 
 
 class Capacity(msgspec.Struct, frozen=True):
@@ -78,10 +107,10 @@ class Capacity(msgspec.Struct, frozen=True):
     slots (and of prefill staging states). max_batch_tokens bounds the tokens of one prefill step.
     """
 
-    kv_pages: int
-    page_size: int
-    max_slots: int
-    max_batch_tokens: int
+    kv_pages: Count
+    page_size: Count
+    max_slots: Count
+    max_batch_tokens: Count
 
 
 # ---------------------------------------------------------------------------------------------
@@ -89,21 +118,39 @@ class Capacity(msgspec.Struct, frozen=True):
 # ---------------------------------------------------------------------------------------------
 
 
+class Hello(msgspec.Struct, frozen=True, tag="hello", tag_field="op"):
+    """A rank's first frame on its connection: it claims its rank (the envelope's, signed)."""
+
+
+class Challenge(msgspec.Struct, frozen=True, tag="challenge", tag_field="op"):
+    """The answer to a Hello, on that connection only: its Ready must echo ``nonce``."""
+
+    nonce: bytes
+
+
 class Ready(msgspec.Struct, frozen=True, tag="ready", tag_field="op"):
-    """A rank bound its device, loaded its shard and sized its capacity."""
+    """A rank bound its device, loaded its shard and sized its capacity. ``nonce`` is its
+    connection's Challenge, so a Ready recorded in another launch or on another connection is
+    refused."""
 
     capacity: Capacity
     device: str
     pid: int
     host: str
+    nonce: bytes = b""
 
 
 class Go(msgspec.Struct, frozen=True, tag="go", tag_field="op"):
-    """Start distributed init with this effective capacity (the minimum over ranks)."""
+    """Start distributed init with this effective capacity (the minimum over ranks).
+
+    ``collective_timeout`` (seconds; 0: the rank's own startup timeout) bounds every collective of
+    the process group. The coordinator sets it below its step timeout, so that a rank left waiting
+    for a hung peer fails (and the coordinator names the peer) before the step's deadline."""
 
     capacity: Capacity
     dist_init_method: str
     dist_backend: str
+    collective_timeout: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
 
 
 class Cancel(msgspec.Struct, frozen=True, tag="cancel", tag_field="op"):
@@ -155,15 +202,15 @@ class PrefillChunk(msgspec.Struct, frozen=True, array_like=True):
     decode row, is one the grammar allows at that point (end-of-sequence once it is complete).
     """
 
-    request_id: int
+    request_id: RequestId
     tokens: bytes
-    start: int
+    start: Count
     page_ids: bytes
     last: bool
     sampling: SamplingParams = SamplingParams()
-    feed_slot: int = NO_FEED
-    prompt_logprobs: int | None = None
-    next_token: int = NO_TOKEN
+    feed_slot: Int32 = NO_FEED
+    prompt_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    next_token: Int32 = NO_TOKEN
     grammar: str | None = None
 
 
@@ -180,10 +227,10 @@ class DecodeRow(msgspec.Struct, frozen=True, array_like=True):
     On a request's first decode row the worker moves its prefill-owned state into ``slot``.
     """
 
-    request_id: int
-    slot: int
-    token: int
-    position: int
+    request_id: RequestId
+    slot: Count
+    token: Int32
+    position: Count
     page_ids: bytes
     sampling: SamplingParams = SamplingParams()
 
@@ -196,9 +243,9 @@ class Expectation(enum.Enum):
 class SlotMove(msgspec.Struct, frozen=True, array_like=True):
     """Compaction that accompanies a retirement: ``request_id`` moves ``from_slot -> to_slot``."""
 
-    request_id: int
-    from_slot: int
-    to_slot: int
+    request_id: RequestId
+    from_slot: Count
+    to_slot: Count
 
 
 class Ping(msgspec.Struct, frozen=True, tag="ping", tag_field="op"):
@@ -221,7 +268,7 @@ class Unified(msgspec.Struct, frozen=True, tag="unified", tag_field="op"):
 
 
 class DropRequest(msgspec.Struct, frozen=True, tag="drop", tag_field="op"):
-    request_id: int
+    request_id: RequestId
     expectation: Expectation
     move: SlotMove | None = None
 
@@ -231,11 +278,11 @@ class Warmup(msgspec.Struct, frozen=True, tag="warmup", tag_field="phase"):
 
 
 class Capture(msgspec.Struct, frozen=True, tag="capture", tag_field="phase"):
-    bucket: int
+    bucket: Count
 
 
 class Launch(msgspec.Struct, frozen=True, tag="launch", tag_field="phase"):
-    bucket: int
+    bucket: Count
 
 
 class Finalize(msgspec.Struct, frozen=True, tag="finalize", tag_field="phase"):
@@ -254,7 +301,7 @@ class Shutdown(msgspec.Struct, frozen=True, tag="shutdown", tag_field="op"):
 
 
 Command = Ping | Prefill | Decode | Unified | DropRequest | Precapture | Shutdown
-CoordinatorMessage = Command | Go | Cancel
+CoordinatorMessage = Command | Challenge | Go | Cancel
 
 # ---------------------------------------------------------------------------------------------
 # Replies (every rank -> coordinator)
@@ -264,8 +311,8 @@ CoordinatorMessage = Command | Go | Cancel
 class TokenResult(msgspec.Struct, frozen=True, array_like=True):
     """A sampled token. ``logprob`` and the top lists are present when the row asked for them."""
 
-    request_id: int
-    token: int
+    request_id: RequestId
+    token: Int32
     logprob: float | None = None
     top_ids: list[int] | None = None
     top_logprobs: list[float] | None = None
@@ -323,8 +370,16 @@ class Failed(msgspec.Struct, frozen=True, tag="failed", tag_field="op"):
     traceback: str = ""
 
 
-Reply = Ack | DropAck | PrefillDone | DecodeDone | UnifiedDone | Failed
-RankMessage = Reply | Ready | Heartbeat
+class Refused(msgspec.Struct, frozen=True, tag="refused", tag_field="op"):
+    """The rank executed nothing of the command with this seq: a value in it is outside the wire
+    limits (``message`` says where). The rank changed nothing and is not poisoned; the coordinator,
+    which should never have sent it, decides what follows."""
+
+    message: str
+
+
+Reply = Ack | DropAck | PrefillDone | DecodeDone | UnifiedDone | Failed | Refused
+RankMessage = Reply | Hello | Ready | Heartbeat
 
 # Names used in validation error texts ("... returned {name} instead of ...").
 REPLY_NAMES: dict[type, str] = {
@@ -334,6 +389,8 @@ REPLY_NAMES: dict[type, str] = {
     DecodeDone: "decode result",
     UnifiedDone: "unified result",
     Failed: "failure",
+    Refused: "refusal",
+    Hello: "hello",
     Ready: "ready",
     Heartbeat: "heartbeat",
 }
@@ -347,17 +404,17 @@ class Envelope(msgspec.Struct, frozen=True):
     """What the coordinator sends. ``epoch`` identifies one launch; ``seq`` grows by one per
     dispatched command (startup messages use seq 0)."""
 
-    proto: int
-    epoch: int
-    seq: int
+    proto: Int64
+    epoch: Int64
+    seq: Int64
     body: CoordinatorMessage
 
 
 class ReplyEnvelope(msgspec.Struct, frozen=True):
     """What a rank sends back, echoing the envelope's epoch and seq."""
 
-    proto: int
-    epoch: int
-    rank: int
-    seq: int
+    proto: Int64
+    epoch: Int64
+    rank: Count
+    seq: Int64
     body: RankMessage

@@ -1,8 +1,9 @@
 """ZeroMQ sockets between the coordinator and its ranks, and where their addresses live.
 
 Topology: the coordinator binds one ROUTER socket; every rank connects one DEALER socket (and,
-when it sends heartbeats, a second DEALER on its own thread). The ROUTER learns each rank's
-identity from the first frame it sends (Ready), then addresses commands to that identity.
+when it sends heartbeats, a second DEALER on its own thread), each with a random identity. The
+coordinator learns which identity is which rank from the rank's signed handshake (Hello, then a
+Ready that echoes the connection's Challenge), then addresses that rank's commands to it alone.
 
 Addresses are ``ipc://`` paths in a private 0700 runtime directory by default (removed on exit),
 or ``tcp://host:port`` when ranks run on other machines.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import secrets
 import shutil
 import tempfile
 
@@ -32,18 +34,29 @@ class Framer:
     def seal(self, payload: bytes) -> list[bytes]:
         return [payload]
 
-    def open(self, frames: list[bytes]) -> bytes:
+    def open(self, frames: list[bytes], peer: bytes = b"") -> bytes:
+        """``peer``: the sender's identity, where the socket knows it (a ROUTER)."""
         if len(frames) != 1:
             raise ProtocolError(ProtocolError.UNDECODABLE, f"expected 1 frame, got {len(frames)}")
         return frames[0]
 
 
+_PREFIX = "phalanx-"
+_OWNER = "owner.pid"
+
+
 class RuntimeDir:
-    """A private (mode 0700) directory for ipc sockets; removed by :meth:`remove` or at exit."""
+    """A private (mode 0700) directory for ipc sockets; removed by :meth:`remove` or at exit.
+
+    It names its owner's pid, so that a later one removes the directories of owners that died
+    without removing theirs (a SIGKILL): see :func:`sweep_dead_runtime_dirs`."""
 
     def __init__(self) -> None:
-        self.path = tempfile.mkdtemp(prefix="phalanx-")
+        sweep_dead_runtime_dirs()
+        self.path = tempfile.mkdtemp(prefix=_PREFIX)
         os.chmod(self.path, 0o700)
+        with open(os.path.join(self.path, _OWNER), "w") as owner:
+            owner.write(str(os.getpid()))
         atexit.register(self.remove)
 
     def ipc_address(self, name: str = "control") -> str:
@@ -56,6 +69,38 @@ class RuntimeDir:
 
     def remove(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
+
+
+def sweep_dead_runtime_dirs(parent: str | None = None) -> list[str]:
+    """Remove this user's runtime directories whose owner process is gone; returns their paths.
+    A directory without an owner file, or whose owner still runs, is left alone."""
+    parent = parent or tempfile.gettempdir()
+    removed = []
+    for name in os.listdir(parent):
+        path = os.path.join(parent, name)
+        if not name.startswith(_PREFIX):
+            continue
+        try:  # another process may remove it meanwhile
+            if os.stat(path).st_uid != os.getuid():
+                continue
+            with open(os.path.join(path, _OWNER)) as owner:
+                pid = int(owner.read())
+        except (OSError, ValueError):
+            continue
+        if not _alive(pid):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _socket(context: zmq.Context, kind: int) -> zmq.Socket:
@@ -71,9 +116,9 @@ class CoordinatorSocket:
         self._context = zmq.Context.instance()
         self._framer = framer or Framer()
         self.socket = _socket(self._context, zmq.ROUTER)
-        # A send to a peer that is gone raises instead of being dropped silently.
+        # A send to a peer that is gone raises instead of being dropped silently. A second peer
+        # with an identity already connected is refused (no handover): nobody takes over a rank.
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.socket.bind(address)
         self.address: str = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self.dropped_frames = 0
@@ -88,9 +133,14 @@ class CoordinatorSocket:
         return self.recv_ready()
 
     def recv_ready(self) -> tuple[bytes, bytes]:
-        """Receive a message known to be waiting; raises ProtocolError for a bad framing."""
+        """Receive a message known to be waiting; raises ProtocolError (its ``peer`` set) for a bad
+        framing."""
         identity, *frames = self.socket.recv_multipart()
-        return identity, self._framer.open(frames)
+        try:
+            return identity, self._framer.open(frames, identity)
+        except ProtocolError as exc:
+            exc.peer = identity
+            raise
 
     def close(self) -> None:
         self.socket.close(linger=0)
@@ -139,6 +189,12 @@ class RankSocket:
             self.socket.disable_monitor()
             self.monitor.close(linger=0)
         self.socket.close(linger=linger_ms)
+
+
+def connection_identity(name: str) -> bytes:
+    """A ZeroMQ identity no other peer can guess: ``name`` plus 64 random bits. The coordinator
+    routes to a rank by the identity its signed handshake came from, never by a claimed name."""
+    return f"{name}-{secrets.token_hex(8)}".encode()
 
 
 def tcp_address(host: str, port: int) -> str:

@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException
 from executor.engine import Engine
 from server.access_log import AccessLog
 from server.api_key import ApiKeyCheck
+from server.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from server.chat_template import ChatTemplate, ChatTemplateError
 from server.detokenizer import TextTokenizer
 from server.errors import ApiError, error_body
@@ -48,6 +49,7 @@ def create_app(
     *,
     api_key: str | None = None,
     chat_template: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> FastAPI:
     """``chat_template`` (a file or the template's text) replaces the checkpoint's; a bad one
     raises ChatTemplateError."""
@@ -59,7 +61,9 @@ def create_app(
             raise
         log.warning("no chat template: /v1/chat/completions will refuse requests", reason=str(e))
         template = None
-    metrics = ServerMetrics(engine.stats, lambda: engine.poison_reason is not None)
+    metrics = ServerMetrics(
+        engine.stats, lambda: engine.poison_reason is not None, lambda: engine.rejected_frames
+    )
     app = FastAPI(title="phalanx", docs_url=None, redoc_url=None)
     app.state.phalanx = ServerState(
         engine=engine,
@@ -71,6 +75,7 @@ def create_app(
         default_max_tokens=default_max_tokens,
     )
     app.include_router(router)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes, on_refused=metrics.rejected.inc)
     if api_key:
         app.add_middleware(ApiKeyCheck, api_key=api_key, on_refused=metrics.rejected.inc)
     app.add_middleware(AccessLog)  # outermost: refused requests are logged too

@@ -7,6 +7,7 @@ ends in a partial character, so streamed deltas concatenate to exactly the full 
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -59,6 +60,12 @@ class TextTokenizer:
             for token_id, token in (config.get("added_tokens_decoder") or {}).items():
                 (special.add if token.get("special") else special.discard)(int(token_id))
         return cls(tokenizer, frozenset(special))
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The longest text one token stands for, in bytes (byte-level vocabularies spell one byte
+        a character): a text of B bytes has at least B / max_token_bytes tokens."""
+        return max(len(token.encode()) for token in self.tokenizer.get_vocab(with_added_tokens=True))
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids

@@ -22,9 +22,15 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 
 
 class _EngineCollector(Collector):
-    def __init__(self, stats: Callable[[], EngineStats], poisoned: Callable[[], bool]) -> None:
+    def __init__(
+        self,
+        stats: Callable[[], EngineStats],
+        poisoned: Callable[[], bool],
+        rejected_frames: Callable[[], int],
+    ) -> None:
         self._stats = stats
         self._poisoned = poisoned
+        self._rejected_frames = rejected_frames
 
     def collect(self) -> Iterator[Metric]:
         s = self._stats()
@@ -41,6 +47,11 @@ class _EngineCollector(Collector):
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
         yield CounterMetricFamily("phalanx_engine_steps", "engine steps run", value=s.steps)
+        yield CounterMetricFamily(
+            "phalanx_rejected_frames",
+            "control frames the coordinator dropped (forged, undecodable, foreign, from no rank)",
+            value=self._rejected_frames(),
+        )
 
 
 @dataclass
@@ -52,7 +63,12 @@ class TokenTotals:
 
 
 class ServerMetrics:
-    def __init__(self, stats: Callable[[], EngineStats], poisoned: Callable[[], bool]) -> None:
+    def __init__(
+        self,
+        stats: Callable[[], EngineStats],
+        poisoned: Callable[[], bool],
+        rejected_frames: Callable[[], int],
+    ) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "phalanx_requests", "finished requests by outcome", ["outcome"], registry=self.registry
@@ -74,7 +90,7 @@ class ServerMetrics:
         self.generation_tokens = Counter(
             "phalanx_generation_tokens", "generated tokens", registry=self.registry
         )
-        self.registry.register(_EngineCollector(stats, poisoned))
+        self.registry.register(_EngineCollector(stats, poisoned, rejected_frames))
         self.totals = TokenTotals()
 
     def token(self, prompt_tokens: int = 0) -> None:

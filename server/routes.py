@@ -9,6 +9,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from server.choices import Choice, response, stream
 from server.errors import ApiError, error_body
@@ -73,7 +74,8 @@ async def model(model_id: str, request: Request) -> dict[str, Any]:
 async def completions(body: CompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
     state = _state(request)
     state.check_model(body.model)
-    prompts = [state.completion_prompt_ids(prompt) for prompt in body.prompts]
+    # tokenizing (a long prompt, many prompts) runs off the event loop: other streams go on
+    prompts = await run_in_threadpool(lambda: [state.completion_prompt_ids(prompt) for prompt in body.prompts])
     choices = state.start_choices(prompts, body, body.max_tokens, body.logprobs, body.prompt_top_logprobs)
     fmt = CompletionFormat(
         state.tokenizer,
@@ -91,7 +93,7 @@ async def completions(body: CompletionRequest, request: Request) -> JSONResponse
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
     state = _state(request)
     state.check_model(body.model)
-    prompt_text, prompt_ids = state.chat_prompt(body)
+    prompt_text, prompt_ids = await run_in_threadpool(state.chat_prompt, body)
     choices = state.start_choices(
         [prompt_ids], body, body.requested_max_tokens, body.logprobs_count, body.prompt_logprobs
     )
@@ -126,8 +128,8 @@ async def _collect_unless_gone(choices: list[Choice], request: Request) -> list[
                 raise ApiError(499, "client disconnected", "client_closed_request")
         return list(task.result())
     except GenerationError as e:
-        poisoned = _state(request).engine.poison_reason is not None
-        raise ApiError(503 if poisoned else 500, str(e), "server_error") from e
+        closed = _state(request).engine.closed_reason is not None  # poisoned, or stopping
+        raise ApiError(503 if closed else 500, str(e), "server_error") from e
     finally:
         if not task.done():
             task.cancel()

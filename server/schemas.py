@@ -7,19 +7,34 @@ it could change the output (a sampling extra, a response format) without the cli
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-MAX_STOP_STRINGS = 16
-MAX_TOP_LOGPROBS = 20
+from server.limits import (
+    INT32_MAX,
+    MAX_STOP_STRINGS,
+    RESERVED_TEMPLATE_KWARGS,
+    Flag,
+    LogprobCount,
+    ModelName,
+    Seed,
+    StopString,
+    Temperature,
+    TokenCount,
+    TokenId,
+    TopK,
+    TopP,
+)
+
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on one bias
 MAX_PROMPTS = 1024  # prompts in one completions request
 STRUCTURED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice")
+StrictFloat = Annotated[float, Field(strict=True)]
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: Flag = False
 
 
 class SamplingRequest(BaseModel):
@@ -27,34 +42,36 @@ class SamplingRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1, description="0 or -1: no top-k filter")
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    ignore_eos: bool = False
-    stream: bool = False
+    model: ModelName | None = None
+    max_tokens: TokenCount | None = None
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = 0
+    seed: Seed | None = None
+    stop: StopString | list[StopString] | None = None
+    ignore_eos: Flag = False
+    stream: Flag = False
     stream_options: StreamOptions | None = None
-    n: int = Field(default=1, ge=1, description="choices per prompt (at most the engine's decode slots)")
+    n: Annotated[
+        int, Field(strict=True, ge=1, le=INT32_MAX, description="choices per prompt (at most the decode slots)")
+    ] = 1
     # accepted only at their neutral values: silently ignoring them would change results unseen
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: StrictFloat = 0.0
+    frequency_penalty: StrictFloat = 0.0
+    repetition_penalty: StrictFloat = 1.0
+    logit_bias: dict[str, StrictFloat] | None = None
     # vLLM's sampling extras
-    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    min_tokens: int = Field(default=0, ge=0)
-    stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool = False
-    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    user: str | None = None  # OpenAI's end-user id: recorded by no one, changes nothing
+    min_p: Annotated[float, Field(strict=True, ge=0.0, le=1.0)] = 0.0
+    min_tokens: Annotated[int, Field(strict=True, ge=0, le=INT32_MAX)] = 0
+    stop_token_ids: list[TokenId] | None = None
+    include_stop_str_in_output: Flag = False
+    prompt_logprobs: LogprobCount | None = None
+    user: ModelName | None = None  # OpenAI's end-user id: recorded by no one, changes nothing
     # structured output (server/structured.py): at most one of these
     response_format: dict[str, Any] | None = None
-    guided_json: dict[str, Any] | str | None = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_json: dict[str, Any] | Annotated[str, Field(strict=True)] | None = None
+    guided_regex: Annotated[str, Field(strict=True)] | None = None
+    guided_choice: list[Annotated[str, Field(strict=True)]] | None = None
 
     @model_validator(mode="after")
     def _unsupported(self) -> SamplingRequest:
@@ -91,8 +108,6 @@ class SamplingRequest(BaseModel):
         stops = [value] if isinstance(value, str) else list(value or [])
         if len(stops) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are supported, got {len(stops)}")
-        if any(s == "" for s in stops):
-            raise ValueError("stop strings must not be empty")
         return stops
 
     @property
@@ -105,10 +120,10 @@ class SamplingRequest(BaseModel):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    echo: bool = False
+    prompt: Annotated[str, Field(strict=True)] | list[TokenId] | list[str] | list[list[TokenId]]
+    max_tokens: TokenCount | None = 16
+    logprobs: LogprobCount | None = None
+    echo: Flag = False
 
     @field_validator("prompt")
     @classmethod
@@ -162,14 +177,14 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    add_generation_prompt: bool = True
+    max_completion_tokens: TokenCount | None = None
+    logprobs: Flag = False
+    top_logprobs: LogprobCount | None = None
+    add_generation_prompt: Flag = True
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None  # handed to the chat template; replies parsed for calls
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
-    parallel_tool_calls: bool = True  # False: at most the first call is returned
+    parallel_tool_calls: Flag = True  # False: at most the first call is returned
 
     @model_validator(mode="after")
     def _tool_choice(self) -> ChatCompletionRequest:
@@ -183,6 +198,14 @@ class ChatCompletionRequest(SamplingRequest):
     @property
     def parses_tool_calls(self) -> bool:
         return bool(self.tools) and self.tool_choice != "none"
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _own_template_variables(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        taken = sorted(set(value or ()) & set(RESERVED_TEMPLATE_KWARGS))
+        if taken:
+            raise ValueError(f"{', '.join(taken)} cannot be set here: the request's own fields set them")
+        return value
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -79,11 +79,27 @@ class ServerState:
         return choices
 
     def completion_prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        """The prompt's token ids (tokenizing is slow on long texts: call it off the event loop)."""
         if isinstance(prompt, str):
+            self._check_text_length(prompt, "prompt")
             return self.tokenizer.encode(prompt, add_special_tokens=True)
         return list(prompt)
 
+    def _check_text_length(self, text: str, param: str) -> None:
+        """Refuse, without tokenizing it, a text that has more tokens than the context holds
+        whatever they are. Half the bytes-per-token bound leaves room for a normalizer that
+        composes characters."""
+        fewest = len(text.encode("utf-8", "surrogatepass")) // (2 * self.tokenizer.max_token_bytes)
+        if fewest >= self.max_context:
+            raise bad_request(
+                f"This model's maximum context length is {self.max_context} tokens, and the prompt"
+                f" has at least {fewest} tokens.",
+                param=param,
+                code="context_length_exceeded",
+            )
+
     def chat_prompt(self, body: ChatCompletionRequest) -> tuple[str, list[int]]:
+        """The rendered prompt and its token ids (slow on long texts: call it off the event loop)."""
         if self.template is None:
             raise bad_request("this model has no chat template; use /v1/completions", param="messages")
         messages: list[dict[str, Any]] = [m.for_template() for m in body.messages]
@@ -96,6 +112,7 @@ class ServerState:
             )
         except ChatTemplateError as e:
             raise bad_request(str(e), param="messages") from e
+        self._check_text_length(text, "messages")
         # the template already wrote any BOS; the tokenizer must not add another
         return text, self.tokenizer.encode(text, add_special_tokens=False)
 

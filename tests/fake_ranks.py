@@ -53,6 +53,8 @@ def fake_token(fed: list[int], sampling: SamplingParams, vocab: int) -> int:
 
 
 class FakeRanks:
+    rejected_frames = 0  # no socket: nothing to reject
+
     def __init__(self, capacity: Capacity, vocab: int = 64) -> None:
         self.capacity = capacity
         self.vocab = vocab

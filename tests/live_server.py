@@ -24,7 +24,17 @@ _ADDRESS = re.compile(r"phalanx serving .* on (http://\S+)")
 @contextmanager
 def live_server(model_dir: Path, log_path: Path, *extra: str, startup_s: float = 120.0) -> Iterator[str]:
     """Start the server at TP 2 on CPU; yield its base URL (no /v1); stop it afterwards."""
-    argv = ["--model", str(model_dir), "--device", "cpu", "--tp", "2", "--served-model-name", MODEL_NAME, *extra]
+    argv = [
+        "--model",
+        str(model_dir),
+        "--device",
+        "cpu",
+        "--tp",
+        "2",
+        "--served-model-name",
+        MODEL_NAME,
+        *extra,
+    ]
     with serve_process([*argv, "--max-slots", "8", "--kv-pages", "128"], log_path, startup_s) as served:
         yield served.url
 
@@ -104,3 +114,43 @@ def wait_for_metric(base_url: str, name: str, value: float, timeout_s: float = 2
         if time.monotonic() > deadline:
             raise AssertionError(f"{name} stayed {seen}, expected {value} within {timeout_s} s")
         time.sleep(0.05)
+
+
+LONG_REQUEST = {"prompt": [1, 2, 3], "max_tokens": 1500, "temperature": 0, "ignore_eos": True}
+
+
+class InFlight:
+    """One long request on a thread of its own: what came back, and when its first token did."""
+
+    def __init__(self, url: str, stream: bool) -> None:
+        self.lines: list[str] = []
+        self.status: int | None = None
+        self.first_token = threading.Event()
+        self.ended = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(url, stream), daemon=True)
+        self._thread.start()
+
+    def _run(self, url: str, stream: bool) -> None:
+        try:
+            with httpx.stream(
+                "POST", url + "/v1/completions", json={**LONG_REQUEST, "stream": stream}, timeout=60
+            ) as r:
+                self.status = r.status_code
+                for line in r.iter_lines():
+                    if line:
+                        self.lines.append(line)
+                        self.first_token.set()
+        finally:
+            self.first_token.set()
+            self.ended.set()
+
+
+def rank_pids(server_pid: int) -> list[int]:
+    """The server's spawned ranks, in rank order (read from their process titles)."""
+    children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
+    ranks = {}
+    for pid in children:
+        title = re.match(rb"phalanx rank (\d+)/", Path(f"/proc/{pid}/cmdline").read_bytes())
+        if title is not None:
+            ranks[int(title.group(1))] = int(pid)
+    return [ranks[rank] for rank in sorted(ranks)]

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -14,6 +17,58 @@ from protocol.packing import pack_ids
 PAGE = 4
 PAGES_PER_REQUEST = 4  # 16 positions per request
 LOGPROBS = SamplingParams(logprobs=3)
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def start_attached_rank(
+    rank: int,
+    model_dir: Path,
+    coordinator: str,
+    master_port: int,
+    world_size: int = 2,
+    *extra: str,
+    secret: str | None = None,
+    log: Path | None = None,
+) -> subprocess.Popen:
+    """``phalanx worker`` as torchrun starts it; ``secret``: its PHALANX_SECRET (default: ours);
+    ``log``: where its output goes (default: ours)."""
+    env = dict(
+        os.environ,
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(master_port),
+    )
+    env.pop("PHALANX_TEST_FAULT", None)
+    if secret is not None:
+        env["PHALANX_SECRET"] = secret
+    command = [
+        sys.executable,
+        "-m",
+        "tools",
+        "worker",
+        "--model",
+        str(model_dir),
+        "--coordinator",
+        coordinator,
+    ]
+    command += ["--device", "cpu", "--kv-pages", "32", "--page-size", "4", "--max-slots", "4"]
+    command += ["--max-batch-tokens", "128", "--heartbeat-interval", "0.3", "--log-level", "warning"]
+    out = None if log is None else log.open("w")
+    try:
+        return subprocess.Popen([*command, *extra], env=env, cwd=REPO, stdout=out, stderr=out)
+    finally:
+        if out is not None:
+            out.close()
 
 
 def alive(pid: int) -> bool:

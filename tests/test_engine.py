@@ -39,8 +39,9 @@ class DoubleExecutor(FakeRanks):
             raise ExecutorPoisoned(self.poison_reason)
         return super().decode(rows)
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> bool:
         self.shutdowns += 1
+        return True
 
     def ping(self) -> None:
         self.pings += 1
@@ -124,10 +125,14 @@ def test_cancel_ends_the_stream_once_and_is_idempotent(engine: Engine) -> None:
             GenerationParams(max_tokens=5),
             "prompt of 60 tokens plus max_tokens 5 exceeds the context of 64",
         ),
-        ([1], GenerationParams(max_tokens=0), "max_tokens must be an integer >= 1"),
-        ([1], GenerationParams(temperature=-1.0), "temperature must be a finite number >= 0"),
+        ([1], GenerationParams(max_tokens=0), r"max_tokens must be an integer in \[1, 2147483647\]"),
+        ([1], GenerationParams(max_tokens=True), r"max_tokens must be an integer in \[1, 2147483647\]"),
+        ([1], GenerationParams(temperature=-1.0), r"temperature must be a number in \[0, 2\]"),
+        ([1], GenerationParams(temperature=2.5), r"temperature must be a number in \[0, 2\]"),
         ([1], GenerationParams(top_p=0.0), r"top_p must be in \(0, 1\]"),
-        ([1], GenerationParams(top_k=-2), "top_k must be an integer >= 0"),
+        ([1], GenerationParams(top_k=-2), r"top_k must be an integer in \[0, 2147483647\]"),
+        ([1], GenerationParams(top_k=2**63), r"top_k must be an integer in \[0, 2147483647\]"),
+        ([1], GenerationParams(seed=2**63), "seed must be a 64-bit signed integer"),
         ([1], GenerationParams(logprobs=21), r"logprobs must be an integer in \[0, 20\]"),
     ],
 )

@@ -43,6 +43,8 @@ def _drain(link: RankLink, epoch: int = EPOCH, startup: bool = False, seconds: f
 
 def test_foreign_epoch_and_garbage_are_dropped_and_counted(wired) -> None:
     link, peers = wired
+    for rank in link.ranks:  # as the startup handshake binds them
+        rank.identity = f"rank-{rank.rank}".encode()
     _send(peers[0], 0, Ack(), epoch=EPOCH + 1)
     peers[1].send(b"\x00not msgpack")
     _send(peers[1], 1, Heartbeat(0.0))

@@ -241,6 +241,16 @@ def test_duplicate_reply_is_a_duplicate_rank(tiny_model_dir: Path, monkeypatch: 
         assert took < 10  # decided without waiting for rank 0's late reply
 
 
+def test_a_command_outside_the_wire_limits_is_refused_and_named_at_once(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with faulty_executor(tiny_model_dir, monkeypatch, "0:command#2:out_of_range") as ex:
+        reason, took = _poisoned(_prefill, ex, 1)
+        assert reason.startswith("rank 0 refused prefill, a command outside the wire limits: command seq 2")
+        assert "Expected `int` >= 0 - at `$.body.chunks[0][2]`" in reason
+        assert took < 5  # answered at once, not at the 10 s step deadline
+
+
 def test_slot_occupancy_mismatch_poisons_with_a_state_error(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

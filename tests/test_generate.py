@@ -86,7 +86,10 @@ def test_generate_refuses_a_prompt_over_the_context_before_launching(
     [
         (["--prompt-ids", "1,x"], "--prompt-ids must be comma-separated integers, got '1,x'"),
         (["--prompt-ids", "1", "--top-p", "1.5"], r"top_p must be in (0, 1], got 1.5"),
-        (["--prompt-ids", "1", "--max-tokens", "0"], "max_tokens must be an integer >= 1, got 0"),
+        (
+            ["--prompt-ids", "1", "--max-tokens", "0"],
+            "max_tokens must be an integer in [1, 2147483647], got 0",
+        ),
     ],
 )
 def test_generate_refuses_bad_flags(

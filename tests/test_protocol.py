@@ -78,3 +78,33 @@ def test_foreign_epoch_is_rejected() -> None:
     with pytest.raises(ProtocolError, match="epoch 8, expected 7") as info:
         decode_reply(encode(ReplyEnvelope(PROTOCOL_VERSION, 8, 0, 1, DecodeDone([]))), epoch=7)
     assert info.value.reason == ProtocolError.FOREIGN_EPOCH
+
+
+@pytest.mark.parametrize(
+    ("sampling", "message"),
+    [
+        (SamplingParams(top_k=2**63), "Expected `int` <= 2147483647"),
+        (SamplingParams(top_k=2**64), "can't serialize ints"),
+        (SamplingParams(seed=2**63), "Expected `int` <= 9223372036854775807"),
+        (SamplingParams(temperature=float("nan")), "Expected `float` >= 0.0"),
+        (SamplingParams(temperature=3.0), "Expected `float` <= 2.0"),
+        (SamplingParams(top_p=0.0), "Expected `float` > 0.0"),
+        (SamplingParams(logprobs=21), "Expected `int` <= 20"),
+    ],
+)
+def test_encode_refuses_a_command_that_does_not_fit_the_wire(sampling: SamplingParams, message: str) -> None:
+    row = DecodeRow(request_id=1, slot=0, token=5, position=3, page_ids=pack_ids([0]), sampling=sampling)
+    with pytest.raises(ProtocolError) as caught:
+        encode(_envelope(Decode([row])))
+    assert caught.value.reason == ProtocolError.OUT_OF_RANGE
+    assert message in caught.value.detail
+
+
+def test_a_frame_outside_the_wire_limits_is_rejected_as_out_of_range() -> None:
+    # a frame some other encoder built: the rank's decoder refuses it, never computes with it
+    row = [1, 0, 5, 3, pack_ids([0]), [0.5, 2**40]]
+    body = {"op": "decode", "rows": [row]}
+    frame = msgspec.msgpack.encode({"proto": PROTOCOL_VERSION, "epoch": 7, "seq": 3, "body": body})
+    with pytest.raises(ProtocolError) as caught:
+        decode_envelope(frame)
+    assert caught.value.reason == ProtocolError.OUT_OF_RANGE

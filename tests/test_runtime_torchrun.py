@@ -5,9 +5,7 @@ rank that dies is noticed through its missing heartbeats, and the survivor is to
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,53 +16,27 @@ import pytest
 from executor.errors import ExecutorPoisoned
 from executor.launcher import launch_executor
 from protocol.messages import Expectation
-from tests.runtime_helpers import chunk, reference_generation, row, small_config
+from tests.runtime_helpers import (
+    chunk,
+    free_port,
+    reference_generation,
+    row,
+    small_config,
+    start_attached_rank,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPT = [9, 99, 199, 299]
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def _start_rank(
-    rank: int, model_dir: Path, coordinator: str, master_port: int, world_size: int = 2, *extra: str
-) -> subprocess.Popen:
-    env = dict(
-        os.environ,
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(master_port),
-    )
-    env.pop("PHALANX_TEST_FAULT", None)
-    command = [
-        sys.executable,
-        "-m",
-        "tools",
-        "worker",
-        "--model",
-        str(model_dir),
-        "--coordinator",
-        coordinator,
-    ]
-    command += ["--device", "cpu", "--kv-pages", "32", "--page-size", "4", "--max-slots", "4"]
-    command += ["--max-batch-tokens", "128", "--heartbeat-interval", "0.3", "--log-level", "warning"]
-    return subprocess.Popen([*command, *extra], env=env, cwd=REPO)
 
 
 def test_torchrun_style_ranks_join_over_tcp_and_serve(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("PHALANX_SECRET", "torchrun-test-shared-secret")  # tcp frames are authenticated
-    port = _free_port()
+    port = free_port()
     coordinator = f"tcp://127.0.0.1:{port}"
-    master_port = _free_port()
-    ranks = [_start_rank(rank, tiny_model_dir, coordinator, master_port) for rank in range(2)]
+    master_port = free_port()
+    ranks = [start_attached_rank(rank, tiny_model_dir, coordinator, master_port) for rank in range(2)]
     ex = None
     try:
         ex = launch_executor(small_config(tiny_model_dir, 2, transport="tcp", attach=True, port=port))
@@ -109,9 +81,9 @@ def test_attached_rank_leaves_when_its_coordinator_dies(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("PHALANX_SECRET", "torchrun-test-shared-secret")
-    port = _free_port()
-    rank = _start_rank(
-        0, tiny_model_dir, f"tcp://127.0.0.1:{port}", _free_port(), 1, "--coordinator-grace", "1"
+    port = free_port()
+    rank = start_attached_rank(
+        0, tiny_model_dir, f"tcp://127.0.0.1:{port}", free_port(), 1, "--coordinator-grace", "1"
     )
     coordinator = subprocess.Popen(
         [sys.executable, "-c", COORDINATOR, str(tiny_model_dir), str(port)],
@@ -140,9 +112,9 @@ def test_generate_attach_serves_through_ranks_started_elsewhere(
     """`phalanx generate --attach` spawns nothing: the torchrun-started ranks do the work, and the
     tokens equal the in-process reference."""
     monkeypatch.setenv("PHALANX_SECRET", "torchrun-test-shared-secret")
-    port, master_port = _free_port(), _free_port()
+    port, master_port = free_port(), free_port()
     address = f"tcp://127.0.0.1:{port}"
-    ranks = [_start_rank(rank, tiny_model_dir, address, master_port) for rank in range(2)]
+    ranks = [start_attached_rank(rank, tiny_model_dir, address, master_port) for rank in range(2)]
     try:
         command = [sys.executable, "-m", "tools", "generate", "--model", str(tiny_model_dir)]
         command += ["--tp", "2", "--attach", address, "--prompt-ids", ",".join(map(str, PROMPT))]

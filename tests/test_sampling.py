@@ -175,3 +175,11 @@ def test_landed_tokens_overwritten_by_a_later_step_are_refused() -> None:
         match="greedy tokens of decode step 5 were overwritten by step 7 before rank 0 read them",
     ):
         LandedTokens(landing, seq=5, rows=2).read()
+
+
+def test_a_temperature_below_greedy_below_picks_the_maximum() -> None:
+    from protocol.messages import GREEDY_BELOW
+
+    logits = torch.tensor([[0.0, 3.0, -1.0, 2.9], [1.0, -5.0, 4.0, 0.0]])
+    params = [SamplingParams(temperature=t, seed=1) for t in (1e-308, GREEDY_BELOW / 2)]
+    assert [s.token for s in sample(logits, params, [4, 4])] == [1, 2]

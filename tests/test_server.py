@@ -209,6 +209,7 @@ def test_openai_client_sees_bad_request(client: openai.OpenAI) -> None:
 def test_disconnect_mid_stream_frees_the_slot(base_url: str) -> None:
     wait_for_metric(base_url, "phalanx_slots_used", 0)
     cancelled_before = _cancelled(base_url)
+    tokens_before = metric(base_url, "phalanx_generation_tokens_total")
     body = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 400, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=60) as response:
         events = response.iter_lines()
@@ -221,6 +222,8 @@ def test_disconnect_mid_stream_frees_the_slot(base_url: str) -> None:
     wait_for_metric(base_url, "phalanx_requests_running", 0)
     wait_for_metric(base_url, "phalanx_kv_pages_used", 0)
     assert _cancelled(base_url) == cancelled_before + 1
+    # the tokens streamed to the cancelled request were generated, and are counted
+    assert metric(base_url, "phalanx_generation_tokens_total") >= tokens_before + len(got)
 
 
 def test_disconnect_while_waiting_for_a_whole_response(base_url: str) -> None:

@@ -189,8 +189,8 @@ class PoisonableRanks(FakeRanks):
             raise ExecutorPoisoned(self.poison_reason)
         return super().decode(rows)
 
-    def shutdown(self) -> None:
-        pass
+    def shutdown(self) -> bool:
+        return True
 
 
 def test_health_is_503_once_poisoned(tiny_model_dir: Path) -> None:
@@ -226,7 +226,7 @@ def test_a_generation_dropped_before_it_is_read_is_cancelled(tiny_model_dir: Pat
     ranks.decode_delay_s = 0.02  # 400 tokens would take 8 s
     engine = Engine(ranks, tiny_model_dir)
     try:
-        metrics = ServerMetrics(engine.stats, lambda: False)
+        metrics = ServerMetrics(engine.stats, lambda: False, lambda: 0)
         tokenizer = TextTokenizer.from_model_dir(tiny_model_dir)
         params = GenerationParams(max_tokens=400, ignore_eos=True)
         generation = Generation(engine, tokenizer, metrics, [5, 6, 7], params, StopRule())

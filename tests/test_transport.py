@@ -4,11 +4,21 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from protocol import ProtocolError
-from protocol.transport import CoordinatorSocket, Framer, RankSocket, RuntimeDir, tcp_address
+from protocol.transport import (
+    CoordinatorSocket,
+    Framer,
+    RankSocket,
+    RuntimeDir,
+    sweep_dead_runtime_dirs,
+    tcp_address,
+)
 
 
 def _round_trip(address: str, framer: Framer | None = None) -> str:
@@ -48,7 +58,7 @@ class _Tagged(Framer):
     def seal(self, payload: bytes) -> list[bytes]:
         return [b"tag", payload]
 
-    def open(self, frames: list[bytes]) -> bytes:
+    def open(self, frames: list[bytes], peer: bytes = b"") -> bytes:
         if frames[:1] != [b"tag"]:
             raise ProtocolError(ProtocolError.UNAUTHENTICATED, "missing tag")
         return frames[1]
@@ -68,3 +78,15 @@ def test_every_frame_passes_through_the_framer() -> None:
         plain.close(linger_ms=0)
         coordinator.close()
         runtime.remove()
+
+
+def test_runtime_dirs_of_dead_owners_are_swept(tmp_path: Path) -> None:
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    for name, pid in [("phalanx-dead", gone.pid), ("phalanx-live", os.getpid()), ("other-dead", gone.pid)]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "owner.pid").write_text(str(pid))
+        (tmp_path / name / "control.sock").write_text("")
+    (tmp_path / "phalanx-unowned").mkdir()  # an older layout, or not ours: left alone
+    assert sweep_dead_runtime_dirs(str(tmp_path)) == [str(tmp_path / "phalanx-dead")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other-dead", "phalanx-live", "phalanx-unowned"]

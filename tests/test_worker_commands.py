@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
@@ -25,6 +26,7 @@ from protocol.messages import (
     Prefill,
     PrefillChunk,
     PrefillDone,
+    Refused,
     Shutdown,
     SlotMove,
     Unified,
@@ -176,6 +178,30 @@ def test_loop_rejects_bad_frames_and_serves(runner: StepRunner) -> None:
     finally:
         peer.close()
     assert peer.loop.rejected_frames == 3
+    assert peer.exit_code == EXIT_OK
+
+
+def test_a_command_outside_the_wire_limits_is_refused_and_the_rank_serves_on(runner: StepRunner) -> None:
+    peer = _Coordinator(runner)
+    try:
+        # what another encoder could send: top_k 2^40 in a prefill of request 1
+        chunk = [1, pack_ids([4, 5]), 0, pack_ids([0]), True, [0.5, 2**40]]
+        body = {"op": "prefill", "chunks": [chunk]}
+        frame = msgspec.msgpack.encode(
+            {"proto": PROTOCOL_VERSION, "epoch": peer.epoch, "seq": 1, "body": body}
+        )
+        peer.sock.send(b"rank-0", frame)
+        refused = peer.reply()
+        assert refused.seq == 1 and isinstance(refused.body, Refused)
+        assert (
+            "command seq 1 not executed: command frame: Expected `int` <= 2147483647" in refused.body.message
+        )
+        peer.send(Prefill([_chunk(1, [4, 5], 0, [0])]), seq=2)  # nothing of request 1 was staged
+        assert isinstance(peer.reply().body, PrefillDone)
+        peer.send(Shutdown(), seq=3)
+        assert peer.reply().body == Ack()
+    finally:
+        peer.close()
     assert peer.exit_code == EXIT_OK
 
 

@@ -33,6 +33,7 @@ from protocol.messages import (
     PrefillChunk,
     PrefillDone,
     Ready,
+    Refused,
     TokenResult,
     Unified,
     UnifiedDone,
@@ -101,6 +102,8 @@ def describe_body(body: object) -> str:
             return f"existed={existed}"
         case Failed(kind=kind, message=message, phase=phase):
             return f"{kind} in {phase}: {message}"
+        case Refused(message=message):
+            return message
         case Heartbeat(unix_time=t):
             return f"at {t:.3f}"
     return ""

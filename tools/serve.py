@@ -17,14 +17,18 @@ import json
 import math
 import os
 import shlex
+import signal
 import socket
 import sys
+import threading
 from pathlib import Path
+from typing import Any
 
 import structlog
 from setproctitle import setproctitle
 
 from executor.errors import ExecutorError
+from server.body_limit import DEFAULT_MAX_BODY_BYTES
 from tools.launch_options import (
     LaunchChoice,
     add_launch_arguments,
@@ -71,6 +75,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--step-timeout", type=float, default=300.0, help="seconds one engine step may take")
     parser.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=5.0,
+        help="seconds a stop gives clients and then the ranks before they are killed (default: 5)",
+    )
+    parser.add_argument(
+        "--max-body-bytes",
+        type=positive_int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help=f"largest request body; larger ones get 413 (default: {DEFAULT_MAX_BODY_BYTES}, 8 MiB)",
+    )
+    parser.add_argument(
         "--api-key",
         default=os.environ.get("PHALANX_API_KEY") or None,
         help="every route but /health and /metrics wants 'Authorization: Bearer KEY' "
@@ -101,6 +117,16 @@ def port_number(text: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"must be a port from 0 to 65535, got {text!r}")
     return port
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
 
 
 def seconds(text: str) -> float:
@@ -169,12 +195,8 @@ def _model_problem(model_dir: Path, chat_template: str | None) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from executor.engine import Engine, EngineConfig
     from executor.logs import configure_logging
-    from server.app import create_app
-    from server.stats_log import StatsLog
 
     configure_logging(args.log_level, args.log_format)
     model_dir, name = _model_and_name(args)
@@ -196,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
         max_batch_tokens=args.max_batch_tokens,
         step_timeout=args.step_timeout,
         pipeline=args.pipeline,
-        executor_options=executor_options(args),
+        executor_options={"shutdown_timeout": args.shutdown_grace, **executor_options(args)},
         **choice.engine_fields(),
     )
     try:
@@ -210,43 +232,96 @@ def run(args: argparse.Namespace) -> int:
         sock.close()
         print(f"phalanx serve: error: the replica did not start: {e}", file=sys.stderr)
         return 1
-    with sock, engine:
-        app = create_app(
-            engine,
-            model_dir,
-            name,
-            args.default_max_tokens,
-            api_key=args.api_key,
-            chat_template=args.chat_template,
-        )
-        state = app.state.phalanx
-        host, port = sock.getsockname()[:2]
-        base = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
-        decode = "CUDA graphs" if choice.cuda_graph else "eager"
+    with sock:
+        try:
+            _serve(args, engine, sock, model_dir, name, tp, choice)
+        finally:
+            clean = engine.shutdown(args.shutdown_grace)
+    if not clean:
         print(
-            f"phalanx serving {name!r} (tp={tp}, {choice.device}, {choice.dtype}, {decode} decode) on {base}",
-            flush=True,
+            f"phalanx serve: the replica did not shut down cleanly: {engine.poison_reason}", file=sys.stderr
         )
-        print(f"try: {curl_line(base, name, state.template is not None, bool(args.api_key))}", flush=True)
-        # The app has no lifespan handlers. With them on, the SIGINT that uvicorn re-raises after
-        # draining could cancel the lifespan task mid-shutdown, which logged a spurious traceback.
-        # log_config=None: uvicorn's records go through our log pipeline; the access log is ours.
-        server = uvicorn.Server(
-            uvicorn.Config(
-                app, log_config=None, access_log=False, timeout_graceful_shutdown=5, lifespan="off"
-            )
-        )
-        stats = (
-            StatsLog(engine.stats, state.metrics.totals, args.stats_interval) if args.stats_interval else None
-        )
-        try:  # uvicorn drains, then re-raises the signal it stopped on (the CLI's StopSignal)
-            with stats or contextlib.nullcontext():
-                server.run(sockets=[sock])
-        except (KeyboardInterrupt, StopSignal) as stop:
-            name = "SIGINT" if isinstance(stop, KeyboardInterrupt) else str(stop)
-            print(
-                f"phalanx serve: stopped by {name}; shutting the replica down",
-                file=sys.stderr,
-                flush=True,
-            )
+        return 1
     return 0
+
+
+class _StoppingServer:
+    """uvicorn's server, which on the first stop signal also ends every open request at once
+    (an error event and ``[DONE]`` on a stream, 503 otherwise), so that draining the connections
+    waits for no generation."""
+
+    def __init__(self, server: Any, engine: Any) -> None:
+        self.server = server
+        self.engine = engine
+        self.stopping = False
+        self._handle_exit = server.handle_exit
+        server.handle_exit = self.handle_exit
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if not self.stopping:
+            self.stopping = True
+            # on a thread of its own: the signal may have interrupted a holder of the engine's locks
+            stop = threading.Thread(
+                target=self.engine.stop_admission,
+                args=(f"the server is shutting down ({signal.Signals(sig).name})",),
+                name="phalanx-stop",
+                daemon=True,
+            )
+            stop.start()
+        self._handle_exit(sig, frame)
+
+
+def _serve(
+    args: argparse.Namespace,
+    engine: Any,
+    sock: socket.socket,
+    model_dir: Path,
+    name: str,
+    tp: int,
+    choice: LaunchChoice,
+) -> None:
+    import uvicorn
+
+    from server.app import create_app
+    from server.stats_log import StatsLog
+
+    app = create_app(
+        engine,
+        model_dir,
+        name,
+        args.default_max_tokens,
+        api_key=args.api_key,
+        chat_template=args.chat_template,
+        max_body_bytes=args.max_body_bytes,
+    )
+    state = app.state.phalanx
+    host, port = sock.getsockname()[:2]
+    base = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+    decode = "CUDA graphs" if choice.cuda_graph else "eager"
+    print(
+        f"phalanx serving {name!r} (tp={tp}, {choice.device}, {choice.dtype}, {decode} decode) on {base}",
+        flush=True,
+    )
+    print(f"try: {curl_line(base, name, state.template is not None, bool(args.api_key))}", flush=True)
+    # The app has no lifespan handlers. With them on, the SIGINT that uvicorn re-raises after
+    # draining could cancel the lifespan task mid-shutdown, which logged a spurious traceback.
+    # log_config=None: uvicorn's records go through our log pipeline; the access log is ours.
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            log_config=None,
+            access_log=False,
+            timeout_graceful_shutdown=args.shutdown_grace,
+            lifespan="off",
+        )
+    )
+    _StoppingServer(server, engine)
+    stats = StatsLog(engine.stats, state.metrics.totals, args.stats_interval) if args.stats_interval else None
+    try:  # uvicorn drains, then re-raises the signal it stopped on (the CLI's StopSignal)
+        with stats or contextlib.nullcontext():
+            server.run(sockets=[sock])
+    except (KeyboardInterrupt, StopSignal) as stop:
+        stopped_by = "SIGINT" if isinstance(stop, KeyboardInterrupt) else str(stop)
+        print(
+            f"phalanx serve: stopped by {stopped_by}; shutting the replica down", file=sys.stderr, flush=True
+        )

@@ -4,6 +4,7 @@ so the coordinator can name it without importing torch."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -14,11 +15,16 @@ import time
 SIGTERM_GRACE_S = 10.0
 
 
-def _exit_when_orphaned(parent_pid: int) -> None:
-    """A rank whose coordinator died (even by SIGKILL) must not linger: it exits on its own."""
+def _exit_when_orphaned(parent_pid: int, coordinator: str) -> None:
+    """A rank whose coordinator died (even by SIGKILL) must not linger: it exits on its own, and
+    removes the coordinator's private directory (its ipc socket, the rendezvous file), which
+    nobody else would."""
     while True:
         time.sleep(1.0)
         if os.getppid() != parent_pid:
+            runtime_dir = os.path.dirname(coordinator.removeprefix("ipc://"))
+            if coordinator.startswith("ipc://") and os.path.basename(runtime_dir).startswith("phalanx-"):
+                shutil.rmtree(runtime_dir, ignore_errors=True)  # the other ranks race to do the same
             os._exit(4)
 
 
@@ -76,7 +82,10 @@ def spawn_main(config_json: bytes) -> None:
 
     config = decode_config(config_json)
     _leave_after_sigterm(SIGTERM_GRACE_S, config.rank)
-    threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
+    orphan_watch = threading.Thread(
+        target=_exit_when_orphaned, args=(os.getppid(), config.coordinator), daemon=True
+    )
+    orphan_watch.start()
     from worker.main import run_worker
 
     code = run_worker(config)

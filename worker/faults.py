@@ -32,6 +32,8 @@ Actions at ``command`` only:
   ``slot_mismatch``    the command's slots are shuffled (a DropRequest's move is reversed, decode
                        rows trade slots) so the rank's occupancy check fails, as if the coordinator
                        and the rank had diverged
+  ``out_of_range``     a Prefill's first chunk starts at position -1, outside the wire limits, as
+                       another encoder could send it (the rank refuses the command)
 """
 
 from __future__ import annotations
@@ -50,11 +52,13 @@ from protocol import PROTOCOL_VERSION, ProtocolError, decode_envelope, decode_re
 from protocol.messages import (
     Ack,
     Cancel,
+    Challenge,
     Decode,
     DecodeRow,
     DropRequest,
     Envelope,
     Go,
+    Prefill,
     ReplyEnvelope,
     Shutdown,
     SlotMove,
@@ -66,7 +70,7 @@ EXECUTION_POINTS = ("ping", "prefill", "decode", "unified", "drop", "precapture"
 POINTS = ("load", "dist_init", *EXECUTION_POINTS, "command", "reply")
 PROCESS_ACTIONS = ("raise", "exit", "kill", "hang", "slow")
 REPLY_ACTIONS = ("corrupt", "wrong_seq", "wrong_rank", "wrong_epoch", "duplicate", "ack")
-COMMAND_ACTIONS = ("slot_mismatch",)
+COMMAND_ACTIONS = ("slot_mismatch", "out_of_range")
 ACTIONS = PROCESS_ACTIONS + REPLY_ACTIONS + COMMAND_ACTIONS
 EXIT_CODE = 17
 
@@ -175,6 +179,14 @@ def _shuffle_slots(envelope: Envelope) -> Envelope:
     return msgspec.structs.replace(envelope, body=body)
 
 
+def _out_of_range(envelope: Envelope, frame: bytes) -> bytes:
+    if not isinstance(envelope.body, Prefill):
+        return frame
+    raw = msgspec.to_builtins(envelope, builtin_types=(bytes,))
+    raw["body"]["chunks"][0][2] = -1  # PrefillChunk.start
+    return msgspec.msgpack.encode(raw)
+
+
 def _damage(frame: bytes) -> bytes:
     damaged = bytearray(frame)
     damaged[0] = 0xC1  # a byte msgpack never uses: the frame cannot decode
@@ -219,11 +231,15 @@ class FaultySocket:
             envelope = decode_envelope(frame)
         except ProtocolError:
             return frame
-        if envelope.proto != PROTOCOL_VERSION or isinstance(envelope.body, Go | Cancel | Shutdown):
+        if envelope.proto != PROTOCOL_VERSION or isinstance(
+            envelope.body, Challenge | Go | Cancel | Shutdown
+        ):
             return frame
         for fault in _due("command", self._rank):
             if fault.action == "slot_mismatch":
                 frame = encode(_shuffle_slots(envelope))
+            elif fault.action == "out_of_range":
+                frame = _out_of_range(envelope, frame)
             elif fault.action == "raise":
                 _armed_raise[self._rank] = f"command #{fault.nth}" if fault.nth else "command"
             else:

@@ -26,7 +26,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from protocol import PROTOCOL_VERSION, encode
 from protocol.messages import Heartbeat, ReplyEnvelope
-from protocol.transport import Framer, RankSocket
+from protocol.transport import Framer, RankSocket, connection_identity
 
 log = structlog.get_logger("phalanx.worker")
 
@@ -62,7 +62,9 @@ class HeartbeatThread:
         # ZMTP pings notice a coordinator host that vanished without closing the connection.
         options = {zmq.HEARTBEAT_IVL: 1000, zmq.HEARTBEAT_TIMEOUT: 3000}
         events = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
-        sock = RankSocket(self._address, f"heartbeat-{self._rank}".encode(), self._framer, options, events)
+        sock = RankSocket(
+            self._address, connection_identity(f"heartbeat-{self._rank}"), self._framer, options, events
+        )
         monitor = sock.monitor
         disconnected_since: float | None = time.monotonic()  # until the first connection
         try:

@@ -1,7 +1,8 @@
 """The rank's command loop: receive, decode, check, execute, reply; poison on the first failure.
 
 Frames that fail decoding (undecodable, unknown tag, wrong version, foreign epoch) and stale
-sequence numbers are dropped, counted and logged, never executed. A command that fails after it
+sequence numbers are dropped, counted and logged, never executed; a command of this launch with a
+value outside the wire limits is not executed either, and is answered Refused. A command that fails after it
 started poisons the rank: the first reason is kept, a ``Failed`` reply goes out, the loop exits
 and the process exits non-zero. The dispatch table maps each command type to a handler; other
 components (the graph runner) register theirs with :meth:`CommandLoop.register`.
@@ -22,6 +23,7 @@ from typing import Any
 import structlog
 
 from protocol import PROTOCOL_VERSION, ProtocolError, decode_envelope, encode
+from protocol.codec import envelope_header
 from protocol.messages import (
     Ack,
     Cancel,
@@ -32,11 +34,13 @@ from protocol.messages import (
     Ping,
     Precapture,
     Prefill,
+    Refused,
     Reply,
     ReplyEnvelope,
     Shutdown,
     Unified,
 )
+from protocol.rejections import RejectionLog
 from protocol.transport import RankSocket
 from worker.commands import PendingStep, StepRunner
 from worker.errors import WorkerStateError
@@ -71,7 +75,8 @@ class CommandLoop:
         self.epoch = epoch
         self.runner = runner
         self.last_seq = 0
-        self.rejected_frames = 0
+        self.rejections = RejectionLog(log, "frame rejected")
+        self.stale_commands = 0
         self.poison_reason: str | None = None
         self._pending: tuple[int, PendingStep] | None = None  # rank 0: a step not yet answered
         self.handlers: dict[type, Callable[[Any], Reply | PendingStep]] = {
@@ -83,6 +88,10 @@ class CommandLoop:
             Precapture: self._precapture,
             Shutdown: lambda _command: Ack(),
         }
+
+    @property
+    def rejected_frames(self) -> int:
+        return self.rejections.total + self.stale_commands
 
     def register(self, command_type: type, handler: Callable[[Any], Reply | PendingStep]) -> None:
         self.handlers[command_type] = handler
@@ -115,6 +124,17 @@ class CommandLoop:
 
     def _reply(self, seq: int, body: Reply) -> None:
         self.sock.send(encode(ReplyEnvelope(PROTOCOL_VERSION, self.epoch, self.rank, seq, body)))
+
+    def _refuse(self, frame: bytes, detail: str) -> None:
+        """Answer a command of this launch that carries a value outside the wire limits with
+        Refused (in seq order, after any pending reply), so the coordinator learns at once rather
+        than at its step deadline; nothing of it runs, so this rank stays as it was."""
+        header = envelope_header(frame)
+        if header is None or header[1] != self.epoch or header[2] <= self.last_seq:
+            return
+        self._flush()
+        self.last_seq = header[2]
+        self._reply(header[2], Refused(f"command seq {header[2]} not executed: {detail}"))
 
     def _poison(self, seq: int, op: str, exc: BaseException) -> None:
         kind = "state" if isinstance(exc, WorkerStateError) else "execution"
@@ -174,23 +194,24 @@ class CommandLoop:
 
     def run(self) -> int:
         while True:
+            frame = b""
             try:
                 # The framer's checks (authentication) raise ProtocolError at the receive.
-                envelope = decode_envelope(self._next_frame(), epoch=self.epoch)
+                frame = self._next_frame()
+                envelope = decode_envelope(frame, epoch=self.epoch)
             except _Poisoned:
                 return EXIT_POISONED
             except ProtocolError as exc:
-                self.rejected_frames += 1
-                log.warning(
-                    "frame rejected", reason=exc.reason, detail=exc.detail, rejected=self.rejected_frames
-                )
+                if exc.reason == ProtocolError.OUT_OF_RANGE:
+                    self._refuse(frame, exc.detail)
+                self.rejections.record(exc.reason, detail=exc.detail)
                 continue
             if isinstance(envelope.body, Cancel):
                 # The coordinator gave up on this replica (poison elsewhere): leave without a reply.
                 log.warning("cancelled by the coordinator", reason=envelope.body.reason)
                 return EXIT_CANCELLED
             if envelope.seq <= self.last_seq:
-                self.rejected_frames += 1
+                self.stale_commands += 1
                 log.warning("stale command rejected", command_seq=envelope.seq, last_seq=self.last_seq)
                 continue
             self.last_seq = envelope.seq

@@ -14,6 +14,7 @@ import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import structlog
 import torch
@@ -21,9 +22,19 @@ from setproctitle import setproctitle
 from tqdm import tqdm
 
 from protocol import PROTOCOL_VERSION, ProtocolError, decode_envelope, encode
-from protocol.auth import rank_authenticator
-from protocol.messages import Cancel, Capacity, Failed, Go, Precapture, Ready, ReplyEnvelope
-from protocol.transport import RankSocket
+from protocol.auth import SECRET_ENV, rank_authenticator
+from protocol.messages import (
+    Cancel,
+    Capacity,
+    Challenge,
+    Failed,
+    Go,
+    Hello,
+    Precapture,
+    Ready,
+    ReplyEnvelope,
+)
+from protocol.transport import RankSocket, connection_identity
 from worker.buckets import MAX_GRAPH_BATCH, bucket_for, state_slot_layout
 from worker.capacity import GIB, CapacityError, memory_line, size_capacity
 from worker.commands import StepRunner
@@ -73,22 +84,42 @@ def _dtype(config: WorkerConfig) -> torch.dtype:
     return torch.bfloat16 if config.device == "cuda" else torch.float32
 
 
-def _wait_for_decision(sock: RankSocket, config: WorkerConfig) -> tuple[int, Go | Cancel]:
-    """Block until Go or Cancel arrives (or the gate times out); returns (epoch, decision)."""
+class SecretMismatch(RuntimeError):
+    """The coordinator's frames fail this rank's authentication: the keys differ."""
+
+
+def _wait_for(
+    sock: RankSocket, config: WorkerConfig, epoch: int | None, kinds: tuple[type, ...], what: str
+) -> tuple[int, Any]:
+    """Block until a command of ``kinds`` (or Cancel) arrives within the gate timeout; returns
+    (its epoch, its body). Frames from the coordinator with a wrong tag mean the two sides hold
+    different keys, which no wait mends: that raises SecretMismatch at once."""
     deadline = time.monotonic() + config.gate_timeout
     while (remaining := deadline - time.monotonic()) > 0:
         try:
             frame = sock.recv(remaining)
             if frame is None:
                 break
-            envelope = decode_envelope(frame, epoch=config.epoch or None)
+            envelope = decode_envelope(frame, epoch=epoch or None)
         except ProtocolError as exc:
-            log.warning("frame rejected while waiting for go", reason=exc.reason, detail=exc.detail)
+            if exc.cause == "bad_tag":
+                raise SecretMismatch(
+                    f"the coordinator's frames fail authentication ({exc.detail}): {SECRET_ENV} differs "
+                    "between the coordinator and this rank"
+                ) from None
+            log.warning(f"frame rejected while waiting for {what}", reason=exc.reason, detail=exc.detail)
             continue
-        if isinstance(envelope.body, Go | Cancel):
+        if isinstance(envelope.body, (*kinds, Cancel)):
             return envelope.epoch, envelope.body
-        log.warning("unexpected command before go", op=type(envelope.body).__name__)
-    raise TimeoutError(f"no Go or Cancel from the coordinator within {config.gate_timeout:g} s")
+        log.warning(f"unexpected command before {what}", op=type(envelope.body).__name__)
+    raise TimeoutError(f"no {what} from the coordinator within {config.gate_timeout:g} s")
+
+
+def _handshake(sock: RankSocket, config: WorkerConfig) -> tuple[int, Challenge | Cancel]:
+    """Claim this rank with a signed Hello; the Challenge answers with the launch's epoch and the
+    nonce that Ready must echo."""
+    sock.send(encode(ReplyEnvelope(PROTOCOL_VERSION, config.epoch, config.rank, 0, Hello())))
+    return _wait_for(sock, config, config.epoch, (Challenge,), "challenge")
 
 
 def _init_distributed(config: WorkerConfig, go: Go, device: torch.device) -> None:
@@ -101,7 +132,7 @@ def _init_distributed(config: WorkerConfig, go: Go, device: torch.device) -> Non
             init_method=go.dist_init_method,
             rank=config.rank,
             world_size=config.world_size,
-            timeout=timedelta(seconds=config.dist_init_timeout),
+            timeout=timedelta(seconds=go.collective_timeout or config.dist_init_timeout),
             device_id=device if device.type == "cuda" else None,
         )
         # The rendezvous alone does not prove the links work: one collective does.
@@ -115,8 +146,15 @@ def _startup(sock: RankSocket, config: WorkerConfig) -> tuple[StepRunner, int] |
     """Returns (runner, epoch) when serving may start, or an exit code."""
     from models.qwen35 import Qwen35Model
 
-    phase = "startup:device"
+    phase = "startup:handshake"
+    epoch = config.epoch
     try:
+        epoch, challenge = _handshake(sock, config)
+        if isinstance(challenge, Cancel):
+            log.warning("startup cancelled", reason=challenge.reason)
+            return EXIT_CANCELLED
+        bind_epoch(epoch)
+        phase = "startup:device"
         device = _device(config)
         phase = "startup:load"
         fault_point("load", config.rank)
@@ -146,15 +184,14 @@ def _startup(sock: RankSocket, config: WorkerConfig) -> tuple[StepRunner, int] |
             config.limits, model, device, config.rank, config.cuda_graph, activations
         )
     except Exception as exc:
-        raise StartupFailure(phase, exc, config.epoch) from exc
-    ready = Ready(local, str(device), os.getpid(), socket.gethostname())
-    sock.send(encode(ReplyEnvelope(PROTOCOL_VERSION, config.epoch, config.rank, 0, ready)))
+        raise StartupFailure(phase, exc, epoch) from exc
+    ready = Ready(local, str(device), os.getpid(), socket.gethostname(), challenge.nonce)
+    sock.send(encode(ReplyEnvelope(PROTOCOL_VERSION, epoch, config.rank, 0, ready)))
     log.info("ready", capacity=local)
 
-    epoch = config.epoch
     try:
         phase = "startup:gate"
-        epoch, decision = _wait_for_decision(sock, config)
+        epoch, decision = _wait_for(sock, config, epoch, (Go,), "Go or Cancel")
         if isinstance(decision, Cancel):
             log.warning("startup cancelled", reason=decision.reason)
             return EXIT_CANCELLED
@@ -202,7 +239,9 @@ def run_worker(config: WorkerConfig) -> int:
     # leaks (the parent's resource tracker then warns); a rank's bars need only a thread lock.
     tqdm.set_lock(threading.RLock())
     framer = rank_authenticator(bytes.fromhex(config.auth_key), config.rank) if config.auth_key else None
-    sock = wrap_socket(RankSocket(config.coordinator, f"rank-{config.rank}".encode(), framer), config.rank)
+    sock = wrap_socket(
+        RankSocket(config.coordinator, connection_identity(f"rank-{config.rank}"), framer), config.rank
+    )
     heartbeat: HeartbeatThread | None = None
     try:
         try:

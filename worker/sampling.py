@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from protocol.messages import SamplingParams
+from protocol.messages import GREEDY_BELOW, SamplingParams
 
 if TYPE_CHECKING:
     from worker.graph_inputs import LandedTokens
@@ -237,7 +237,7 @@ def draw_tokens(
         greedy = None  # the graph's argmax saw the logits before bias and bans
     picked_from = logits if steered is None else steered
     tokens = _greedy(picked_from) if greedy is None else greedy
-    drawn = [i for i, p in enumerate(params) if p.temperature > 0]
+    drawn = [i for i, p in enumerate(params) if p.temperature >= GREEDY_BELOW]
     if drawn:
         index = torch.tensor(drawn, device=logits.device)
         tokens = tokens.clone()
