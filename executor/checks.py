@@ -4,8 +4,16 @@ coordinator can prove the command wrong without asking any rank."""
 from __future__ import annotations
 
 from executor.errors import StepRejected
-from executor.requests import MAX_TOP_LOGPROBS
-from protocol.messages import FED_TOKEN, NO_FEED, NO_TOKEN, Capacity, DecodeRow, DropRequest, PrefillChunk
+from protocol.messages import (
+    FED_TOKEN,
+    MAX_LOGPROBS,
+    NO_FEED,
+    NO_TOKEN,
+    Capacity,
+    DecodeRow,
+    DropRequest,
+    PrefillChunk,
+)
 from protocol.packing import unpack_ids
 
 
@@ -86,9 +94,9 @@ def _feed_slot(op: str, chunk: PrefillChunk, capacity: Capacity, fed: set[int]) 
 
 def _prompt_logprobs(op: str, chunk: PrefillChunk, vocab_size: int) -> None:
     where = f"{op} chunk for request {chunk.request_id}"
-    if chunk.prompt_logprobs is not None and not 0 <= chunk.prompt_logprobs <= MAX_TOP_LOGPROBS:
+    if chunk.prompt_logprobs is not None and not 0 <= chunk.prompt_logprobs <= MAX_LOGPROBS:
         raise StepRejected(
-            f"{where} asks for {chunk.prompt_logprobs} prompt top logprobs (0..{MAX_TOP_LOGPROBS})"
+            f"{where} asks for {chunk.prompt_logprobs} prompt top logprobs (0..{MAX_LOGPROBS})"
         )
     if chunk.prompt_logprobs is not None and chunk.last != (chunk.next_token == NO_TOKEN):
         raise StepRejected(f"{where} has next_token {chunk.next_token} but last={chunk.last}")
