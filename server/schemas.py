@@ -63,7 +63,7 @@ class SamplingRequest(BaseModel):
     # vLLM's sampling extras
     min_p: Annotated[float, Field(strict=True, ge=0.0, le=1.0)] = 0.0
     min_tokens: Annotated[int, Field(strict=True, ge=0, le=INT32_MAX)] = 0
-    stop_token_ids: list[TokenId] | None = None
+    stop_token_ids: list[Annotated[int, Field(strict=True)]] | None = None  # checked against the vocabulary
     include_stop_str_in_output: Flag = False
     prompt_logprobs: LogprobCount | None = None
     user: ModelName | None = None  # OpenAI's end-user id: recorded by no one, changes nothing
