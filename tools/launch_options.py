@@ -5,9 +5,10 @@ launch."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import structlog
@@ -16,6 +17,7 @@ from executor.model_info import ModelInfoError, read_model_info
 from protocol.logs import LOG_FORMATS, LOG_LEVELS
 
 log = structlog.get_logger("phalanx.launch")
+T = TypeVar("T", int, float)
 
 DEVICE_HELP = "where the ranks run: cuda (one GPU per rank, NCCL) or cpu (gloo)"
 CPU_KV_PAGES = 512
@@ -97,25 +99,24 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def checked_number(text: str, convert: Callable[[str], T], valid: Callable[[T], bool], expected: str) -> T:
+    """``text`` converted, or an argparse error ``must be EXPECTED, got 'TEXT'`` (the flags' types)."""
+    try:
+        value = convert(text)
+    except ValueError:
+        value = None
+    if value is None or not valid(value):
+        raise argparse.ArgumentTypeError(f"must be {expected}, got {text!r}")
+    return value
+
+
 def memory_fraction(text: str) -> float:
     """``--gpu-memory-utilization``: above 0, at most 1."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be above 0 and at most 1, got {text!r}")
-    return value
+    return checked_number(text, float, lambda value: 0 < value <= 1, "above 0 and at most 1")
 
 
 def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
+    return checked_number(text, int, lambda value: value >= 1, "a positive integer")
 
 
 @dataclass(frozen=True)

@@ -35,9 +35,11 @@ from tools.launch_options import (
     add_log_arguments,
     add_max_slots_argument,
     add_model_arguments,
+    checked_number,
     choose_launch,
     executor_options,
     model_dir_problem,
+    positive_int,
 )
 from tools.stop_signals import StopSignal
 
@@ -110,34 +112,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def port_number(text: str) -> int:
     """A TCP port for ``--port``: 0 (a free one) to 65535."""
-    try:
-        port = int(text)
-    except ValueError:
-        port = -1
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a port from 0 to 65535, got {text!r}")
-    return port
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
+    return checked_number(text, int, lambda port: 0 <= port <= 65535, "a port from 0 to 65535")
 
 
 def seconds(text: str) -> float:
     """A finite duration of 0 seconds or more."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be 0 or more seconds, got {text!r}")
-    return value
+    return checked_number(text, float, lambda value: 0 <= value < math.inf, "0 or more seconds")
 
 
 def curl_line(base: str, model: str, chat: bool = True, with_key: bool = False) -> str:
