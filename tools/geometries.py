@@ -7,73 +7,41 @@ import torch
 
 from models.tiny import TINY_GEOMETRY
 
+# What every released size shares (shared/reference/qwen35-model.md); each size adds its own widths.
+_FAMILY: dict[str, object] = dict(
+    head_dim=256,
+    linear_num_key_heads=16,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    vocab_size=248320,
+)
+_SMALL = dict(_FAMILY, num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2)
+_MID = dict(_FAMILY, num_hidden_layers=32, num_attention_heads=16, num_key_value_heads=4)
+
 GEOMETRIES: dict[str, dict[str, object]] = {
     "tiny": dict(TINY_GEOMETRY, tie_word_embeddings=False),
     "0.8b": dict(
-        hidden_size=1024,
-        intermediate_size=3584,
-        num_hidden_layers=24,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=256,
-        linear_num_key_heads=16,
-        linear_num_value_heads=16,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        vocab_size=248320,
-        tie_word_embeddings=True,
+        _SMALL, hidden_size=1024, intermediate_size=3584, linear_num_value_heads=16, tie_word_embeddings=True
     ),
     "2b": dict(
-        hidden_size=2048,
-        intermediate_size=6144,
-        num_hidden_layers=24,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=256,
-        linear_num_key_heads=16,
-        linear_num_value_heads=16,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        vocab_size=248320,
-        tie_word_embeddings=True,
+        _SMALL, hidden_size=2048, intermediate_size=6144, linear_num_value_heads=16, tie_word_embeddings=True
     ),
     "4b": dict(
-        hidden_size=2560,
-        intermediate_size=9216,
-        num_hidden_layers=32,
-        num_attention_heads=16,
-        num_key_value_heads=4,
-        head_dim=256,
-        linear_num_key_heads=16,
-        linear_num_value_heads=32,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        vocab_size=248320,
-        tie_word_embeddings=True,
+        _MID, hidden_size=2560, intermediate_size=9216, linear_num_value_heads=32, tie_word_embeddings=True
     ),
     "9b": dict(
-        hidden_size=4096,
-        intermediate_size=12288,
-        num_hidden_layers=32,
-        num_attention_heads=16,
-        num_key_value_heads=4,
-        head_dim=256,
-        linear_num_key_heads=16,
-        linear_num_value_heads=32,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        vocab_size=248320,
+        _MID, hidden_size=4096, intermediate_size=12288, linear_num_value_heads=32, tie_word_embeddings=False
+    ),
+    "27b": dict(
+        _MID,
+        hidden_size=5120,
+        intermediate_size=17408,
+        num_hidden_layers=64,
+        num_attention_heads=24,
+        linear_num_value_heads=48,
         tie_word_embeddings=False,
     ),
 }
-GEOMETRIES["27b"] = dict(
-    GEOMETRIES["9b"],
-    hidden_size=5120,
-    intermediate_size=17408,
-    num_hidden_layers=64,
-    num_attention_heads=24,
-    linear_num_value_heads=48,
-)
 ROPE = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}
 
 
