@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 from live_server import MODEL_NAME, live_server
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 WEATHER = {
     "type": "function",
@@ -95,6 +95,9 @@ def test_a_required_tool_call_streams_as_delta_tool_calls(client: openai.OpenAI)
 
 
 class Weather(BaseModel):
+    # No other keys: with them allowed, a random model may spend max_tokens inside an extra key.
+    model_config = ConfigDict(extra="forbid")
+
     city: Literal["Paris", "London"]
     sunny: bool
 
@@ -104,6 +107,7 @@ def test_json_schema_response_format_constrains_the_reply(client: openai.OpenAI)
         model=MODEL_NAME,
         messages=ASK,
         max_tokens=60,
+        seed=0,
         response_format={
             "type": "json_schema",
             "json_schema": {"name": "weather", "schema": Weather.model_json_schema(), "strict": True},
