@@ -54,6 +54,9 @@ log = structlog.get_logger("phalanx.executor")
 
 T = TypeVar("T")
 
+# How long a failed send waits for the Failed reply of a step in flight before naming the send.
+DISPATCH_GRACE_S = 0.5
+
 
 def _timed_out(message: str) -> bool:
     """Whether a rank's failure is a collective's timeout (gloo: "Timed out", NCCL: "timeout")."""
@@ -239,8 +242,24 @@ class Executor:
         try:
             self._link.broadcast(encode(Envelope(PROTOCOL_VERSION, self.epoch, seq, body)))
         except DispatchError as exc:
-            self._fail(f"failed to dispatch {op} to rank {exc.rank}: {exc.error}")
+            reason = self._failure_already_sent(DISPATCH_GRACE_S)
+            self._fail(reason or f"failed to dispatch {op} to rank {exc.rank}: {exc.error}")
         return InFlight(op, seq, timeout, time.monotonic() + timeout)
+
+    def _failure_already_sent(self, grace_s: float) -> str | None:
+        """The Failed reply of a step still in flight, if one arrives within ``grace_s``: a rank
+        that fails a pipelined step answers Failed and exits, so the next step's send can find it
+        gone before its reply is read, and the reply names the cause."""
+        deadline = time.monotonic() + grace_s
+        while (remaining := deadline - time.monotonic()) > 0:
+            try:
+                for _identity, reply in self._link.wait(remaining, self.epoch):
+                    collection = self._collections.get(reply.seq)
+                    if collection is not None:
+                        collection.offer(reply)
+            except RankFailed as exc:
+                return str(exc)
+        return None
 
     def _collect(self, step: InFlight) -> list[ReplyEnvelope]:
         """Exactly ``world_size`` replies to ``step``; replies to other steps in flight are kept."""

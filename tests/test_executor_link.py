@@ -6,10 +6,15 @@ import time
 
 import pytest
 
+from executor.collect import StepCollection
+from executor.config import ExecutorConfig
+from executor.errors import ExecutorPoisoned
 from executor.link import DispatchError, RankLink
+from executor.model_info import ModelInfo
 from executor.ranks import RankHandle
+from executor.runtime import Executor
 from protocol import PROTOCOL_VERSION, encode
-from protocol.messages import Ack, Heartbeat, ReplyEnvelope
+from protocol.messages import Ack, Capacity, Failed, Heartbeat, ReplyEnvelope
 from protocol.transport import CoordinatorSocket, RankSocket, RuntimeDir
 
 EPOCH = 11
@@ -80,3 +85,25 @@ def test_silent_remote_rank_is_dead_and_unreachable_rank_fails_dispatch(wired) -
     link.ranks[1].identity = b"nobody"
     with pytest.raises(DispatchError, match="failed to dispatch to rank 1"):
         link.broadcast(b"x")
+
+
+def test_a_send_that_finds_a_rank_gone_names_the_failure_it_left_behind(wired) -> None:
+    """A rank fails a pipelined step and leaves: the next step's send cannot reach it, and the
+    executor poisons with the Failed reply already on the way, not with the unreachable host."""
+    link, peers = wired
+    link.ranks[0].identity = b"rank-0"
+    link.ranks[1].identity = b"rank-gone"  # never connected: every send to it fails at once
+    executor = Executor(
+        ExecutorConfig(model_dir="unused"),
+        link,
+        EPOCH,
+        Capacity(kv_pages=8, page_size=16, max_slots=4, max_batch_tokens=64),
+        ModelInfo(vocab_size=64, eos_token_ids=(), max_position_embeddings=128, model_type="qwen3_5"),
+        runtime_dir=None,
+        first_seq=1,
+    )
+    _send(peers[0], 0, Failed("execution", "boom", "decode"), seq=1)
+    executor._collections[1] = StepCollection("decode", 1, 2)  # the step in flight it failed
+    with pytest.raises(ExecutorPoisoned) as poisoned:
+        executor.ping()
+    assert str(poisoned.value) == "executor is poisoned: rank 0 failed during decode (decode): boom"
