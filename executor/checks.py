@@ -3,8 +3,8 @@ coordinator can prove the command wrong without asking any rank."""
 
 from __future__ import annotations
 
-from executor.errors import StepRejected
-from protocol.messages import (
+from phalanx.executor.errors import StepRejected
+from phalanx.protocol.messages import (
     FED_TOKEN,
     MAX_LOGPROBS,
     NO_FEED,
@@ -14,7 +14,7 @@ from protocol.messages import (
     DropRequest,
     PrefillChunk,
 )
-from protocol.packing import unpack_ids
+from phalanx.protocol.packing import unpack_ids
 
 
 def _pages(op: str, request_id: int, packed: bytes, covered: int, capacity: Capacity) -> None:

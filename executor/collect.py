@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import structlog
 
-from protocol.messages import Failed, Heartbeat, Refused, ReplyEnvelope
+from phalanx.protocol.messages import Failed, Heartbeat, Refused, ReplyEnvelope
 
 log = structlog.get_logger("phalanx.executor")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from protocol.logs import level_number, renderer_for
+from phalanx.protocol.logs import level_number, renderer_for
 
 
 @dataclass(frozen=True)

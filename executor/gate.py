@@ -11,11 +11,22 @@ import time
 
 import structlog
 
-from executor.errors import StartupError
-from executor.link import KeyMismatch, RankLink
-from protocol import PROTOCOL_VERSION, encode
-from protocol.auth import SECRET_ENV
-from protocol.messages import Ack, Cancel, Capacity, Challenge, Envelope, Failed, Go, Hello, Ping, Ready
+from phalanx.executor.errors import StartupError
+from phalanx.executor.link import KeyMismatch, RankLink
+from phalanx.protocol import PROTOCOL_VERSION, encode
+from phalanx.protocol.auth import SECRET_ENV
+from phalanx.protocol.messages import (
+    Ack,
+    Cancel,
+    Capacity,
+    Challenge,
+    Envelope,
+    Failed,
+    Go,
+    Hello,
+    Ping,
+    Ready,
+)
 
 log = structlog.get_logger("phalanx.executor")
 

@@ -8,20 +8,19 @@ import secrets
 
 import structlog
 
-from executor.config import ExecutorConfig
-from executor.errors import StartupError
-from executor.gate import FIRST_PING_SEQ, run_startup_gate
-from executor.link import RankLink
-from executor.logs import bind, configure_logging
-from executor.model_info import read_model_info
-from executor.precapture import precapture_decode_graphs
-from executor.ranks import RankHandle
-from executor.runtime import Executor
-from protocol.auth import coordinator_authenticator, key_from_secret, new_key, shared_secret_from_env
-from protocol.trace import open_trace
-from protocol.transport import CoordinatorSocket, RuntimeDir, tcp_address
-from worker.config import WorkerConfig, WorkerLimits, encode_config
-from worker.entry import spawn_main
+from phalanx.executor.config import ExecutorConfig
+from phalanx.executor.errors import StartupError
+from phalanx.executor.gate import FIRST_PING_SEQ, run_startup_gate
+from phalanx.executor.link import RankLink
+from phalanx.executor.logs import bind, configure_logging
+from phalanx.executor.model_info import read_model_info
+from phalanx.executor.precapture import precapture_decode_graphs
+from phalanx.executor.ranks import RankHandle
+from phalanx.executor.runtime import Executor
+from phalanx.protocol.auth import coordinator_authenticator, key_from_secret, new_key, shared_secret_from_env
+from phalanx.protocol.launch import WORKER_ENTRY, WorkerConfig, WorkerLimits, encode_config, run_entry
+from phalanx.protocol.trace import open_trace
+from phalanx.protocol.transport import CoordinatorSocket, RuntimeDir, tcp_address
 
 __all__ = ["ExecutorConfig", "launch_executor"]
 
@@ -68,7 +67,10 @@ def _spawn_ranks(config: ExecutorConfig, address: str, epoch: int, key: bytes | 
             auth_key=key.hex() if key else "",
         )
         process = context.Process(
-            target=spawn_main, args=(encode_config(worker_config),), name=f"phalanx-rank-{rank}", daemon=True
+            target=run_entry,
+            args=(WORKER_ENTRY, encode_config(worker_config)),
+            name=f"phalanx-rank-{rank}",
+            daemon=True,
         )
         process.start()
         ranks.append(RankHandle(rank, process))

@@ -10,12 +10,12 @@ from collections.abc import Collection
 import structlog
 import zmq
 
-from executor.ranks import RankHandle
-from protocol import PROTOCOL_VERSION, ProtocolError, decode_reply, encode
-from protocol.messages import Cancel, Envelope, Heartbeat, ReplyEnvelope
-from protocol.rejections import RejectionLog
-from protocol.trace import TraceWriter
-from protocol.transport import CoordinatorSocket
+from phalanx.executor.ranks import RankHandle
+from phalanx.protocol import PROTOCOL_VERSION, ProtocolError, decode_reply, encode
+from phalanx.protocol.messages import Cancel, Envelope, Heartbeat, ReplyEnvelope
+from phalanx.protocol.rejections import RejectionLog
+from phalanx.protocol.trace import TraceWriter
+from phalanx.protocol.transport import CoordinatorSocket
 
 log = structlog.get_logger("phalanx.executor")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import structlog
 
-from executor.errors import ExecutorPoisoned
+from phalanx.executor.errors import ExecutorPoisoned
 
 log = structlog.get_logger("phalanx.executor")
 

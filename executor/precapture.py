@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 import structlog
 from tqdm import tqdm
 
-from executor.errors import ExecutorError, StartupError
-from executor.runtime import Executor
-from protocol.buckets import buckets_up_to
-from protocol.messages import Capture, Finalize, Launch, PrecapturePhase, Warmup
+from phalanx.executor.errors import ExecutorError, StartupError
+from phalanx.executor.runtime import Executor
+from phalanx.protocol.buckets import buckets_up_to
+from phalanx.protocol.messages import Capture, Finalize, Launch, PrecapturePhase, Warmup
 
 log = structlog.get_logger("phalanx.precapture")
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import TypeVar
 
-from executor.errors import ResponseError
-from protocol.messages import (
+from phalanx.executor.errors import ResponseError
+from phalanx.protocol.messages import (
     REPLY_NAMES,
     Ack,
     DecodeDone,

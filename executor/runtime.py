@@ -18,16 +18,16 @@ from typing import NoReturn, TypeVar
 
 import structlog
 
-from executor import checks, responses
-from executor.collect import RankFailed, StepCollection
-from executor.config import ExecutorConfig
-from executor.errors import ExecutorError, ResponseError
-from executor.link import DispatchError, RankLink
-from executor.logs import bind
-from executor.model_info import ModelInfo
-from executor.poison import Poison
-from protocol import PROTOCOL_VERSION, encode
-from protocol.messages import (
+from phalanx.executor import checks, responses
+from phalanx.executor.collect import RankFailed, StepCollection
+from phalanx.executor.config import ExecutorConfig
+from phalanx.executor.errors import ExecutorError, ResponseError
+from phalanx.executor.link import DispatchError, RankLink
+from phalanx.executor.logs import bind
+from phalanx.executor.model_info import ModelInfo
+from phalanx.executor.poison import Poison
+from phalanx.protocol import PROTOCOL_VERSION, encode
+from phalanx.protocol.messages import (
     Capacity,
     Command,
     Decode,
@@ -48,7 +48,7 @@ from protocol.messages import (
     Unified,
     UnifiedDone,
 )
-from protocol.transport import RuntimeDir
+from phalanx.protocol.transport import RuntimeDir
 
 log = structlog.get_logger("phalanx.executor")
 

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import FastLaunch, cdiv, next_pow2, wait_for_producer
+from phalanx.kernels.launch import FastLaunch, cdiv, next_pow2, wait_for_producer
 
 
 @triton.jit

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import FastLaunch, cdiv, next_pow2, prefetch_l2, wait_for_producer
+from phalanx.kernels.launch import FastLaunch, cdiv, next_pow2, prefetch_l2, wait_for_producer
 
 # The CPU interpreter computes bf16 dot products wrongly; upcast the operands there.
 _DOT_F32 = os.environ.get("TRITON_INTERPRET") == "1"

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from kernels import ops
+from phalanx.kernels import ops
 
 # Rows up to which a layout is bound: decode batches. Prefill's token counts vary from call to
 # call; each would be a binding of its own.
@@ -57,7 +57,7 @@ class _Bindings:
 
 
 def _bind_linear(*args: Any, **kwargs: Any) -> Callable[..., Any] | None:
-    from kernels.linear_bind_triton import bind_linear
+    from phalanx.kernels.linear_bind_triton import bind_linear
 
     return bind_linear(*args, **kwargs)
 
@@ -178,7 +178,7 @@ class BoundGdnDecodeStep:
 
 
 def _bind_gdn_decode_step(*args: object) -> Callable[..., torch.Tensor] | None:
-    from kernels.gdn_step_triton import bind_gdn_decode_step
+    from phalanx.kernels.gdn_step_triton import bind_gdn_decode_step
 
     return bind_gdn_decode_step(*args)
 
@@ -215,7 +215,7 @@ class BoundDecodeAttention:
         )
 
         def bind() -> Callable[..., torch.Tensor] | None:
-            from kernels.attention_triton import bind_paged_decode_attention
+            from phalanx.kernels.attention_triton import bind_paged_decode_attention
 
             return bind_paged_decode_attention(
                 q, self.k_cache, self.v_cache, page_table, seq_lens, self.scale, gate
@@ -262,7 +262,7 @@ class BoundNormRopeWriteKv:
             return out
 
         def bind() -> Callable[..., torch.Tensor] | None:
-            from kernels.rope_kv_triton import bind_norm_rope_write_kv
+            from phalanx.kernels.rope_kv_triton import bind_norm_rope_write_kv
 
             return bind_norm_rope_write_kv(q, k, v, *general, slot_ids)
 

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import FastLaunch, cdiv, wait_for_producer
+from phalanx.kernels.launch import FastLaunch, cdiv, wait_for_producer
 
 _BLOCK = 1024  # hidden elements per program
 

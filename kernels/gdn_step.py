@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels.conv1d import causal_conv1d_decode_ref
-from kernels.gdn import gated_delta_rule_decode_ref, gdn_gating_ref
-from kernels.norms import gated_rms_norm_ref
+from phalanx.kernels.conv1d import causal_conv1d_decode_ref
+from phalanx.kernels.gdn import gated_delta_rule_decode_ref, gdn_gating_ref
+from phalanx.kernels.norms import gated_rms_norm_ref
 
 
 def gdn_split_sizes(conv_dim: int, state: torch.Tensor) -> tuple[int, int, int, int]:

@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.conv1d_triton import (
+from phalanx.kernels.conv1d_triton import (
     causal_conv1d_decode_triton,
     conv_decode_arguments,
     conv_decode_launch,
@@ -47,8 +47,8 @@ from kernels.conv1d_triton import (
     conv_step,
     store_conv_state,
 )
-from kernels.gdn_step import gdn_split_sizes
-from kernels.gdn_tiles import (
+from phalanx.kernels.gdn_step import gdn_split_sizes
+from phalanx.kernels.gdn_tiles import (
     FIXED_TILES,
     INTERPRET_TILE,
     Tile,
@@ -57,9 +57,9 @@ from kernels.gdn_tiles import (
     launch_options,
     tuning_bucket,
 )
-from kernels.gdn_triton import l2_normalize, softplus_gate
-from kernels.launch import FastLaunch, cdiv, next_pow2, pdl_enabled, wait_for_producer
-from kernels.workspace import GrowOnlyWorkspace
+from phalanx.kernels.gdn_triton import l2_normalize, softplus_gate
+from phalanx.kernels.launch import FastLaunch, cdiv, next_pow2, pdl_enabled, wait_for_producer
+from phalanx.kernels.workspace import GrowOnlyWorkspace
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # PHALANX_GDN=split|fused (read once, here): the decode step's path at every batch size. On the

@@ -17,8 +17,8 @@ from collections.abc import Callable
 import structlog
 import triton
 
-from kernels.launch import next_pow2, sm_count
-from kernels.parallel_compile import precompiling
+from phalanx.kernels.launch import next_pow2, sm_count
+from phalanx.kernels.parallel_compile import precompiling
 
 log = structlog.get_logger(__name__)
 

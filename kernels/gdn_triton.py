@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import cdiv, next_pow2
+from phalanx.kernels.launch import cdiv, next_pow2
 
 
 @triton.jit

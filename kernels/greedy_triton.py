@@ -23,8 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import FastLaunch, cdiv, next_pow2, wait_for_producer
-from kernels.workspace import GrowOnlyWorkspace
+from phalanx.kernels.launch import FastLaunch, cdiv, next_pow2, wait_for_producer
+from phalanx.kernels.workspace import GrowOnlyWorkspace
 
 # Logits a program scans (248,320 of the Qwen3.5 vocabulary: 61 programs a row) and per loop step.
 CHUNK = 4096

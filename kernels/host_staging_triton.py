@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from kernels.launch import pdl_enabled
+from phalanx.kernels.launch import pdl_enabled
 
 HEADER_SEQ, HEADER_COLUMNS, HEADER_ACK = 0, 1, 2
 HEADER_SIZE = 4

@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.activation import silu_and_mul_ref
-from kernels.norms import rms_norm_ref
+from phalanx.kernels.activation import silu_and_mul_ref
+from phalanx.kernels.norms import rms_norm_ref
 
 
 def check_out(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:

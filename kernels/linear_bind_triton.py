@@ -19,10 +19,10 @@ from collections.abc import Callable
 
 import torch
 
-from kernels import linear_gemv_triton
-from kernels import linear_triton as lt
-from kernels.activation_triton import silu_and_mul_triton
-from kernels.norms_triton import bind_rms_norm
+from phalanx.kernels import linear_gemv_triton
+from phalanx.kernels import linear_triton as lt
+from phalanx.kernels.activation_triton import silu_and_mul_triton
+from phalanx.kernels.norms_triton import bind_rms_norm
 
 # (x, residual) -> (y, h): h is the residual stream a pre-norm leaves (x itself without one).
 BoundLinear = Callable[[torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]

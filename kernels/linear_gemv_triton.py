@@ -39,7 +39,7 @@ from typing import Any
 import triton
 import triton.language as tl
 
-from kernels.launch import cdiv, sm_count, wait_for_producer
+from phalanx.kernels.launch import cdiv, sm_count, wait_for_producer
 
 # The widest K the pre-normed GEMV keeps in registers (x in fp32 and two blocks of whole rows);
 # wider rows are normed by the norm kernel first and then run the plain GEMV.

@@ -24,7 +24,7 @@ from collections.abc import Callable
 import structlog
 import torch
 
-from kernels.launch import pdl_enabled
+from phalanx.kernels.launch import pdl_enabled
 
 log = structlog.get_logger(__name__)
 

@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import sm_count
-from kernels.workspace import GrowOnlyWorkspace
+from phalanx.kernels.launch import sm_count
+from phalanx.kernels.workspace import GrowOnlyWorkspace
 
 MAX_SPLIT_K = 8
 # Each split keeps at least this many BLOCK_K steps in its pipeline.

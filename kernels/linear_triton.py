@@ -54,10 +54,10 @@ import triton
 import triton.language as tl
 import triton.testing
 
-from kernels import linear_gemv_triton
-from kernels.launch import FastLaunch, cdiv, next_pow2, pdl_enabled, wait_for_producer
-from kernels.linear import check_out
-from kernels.linear_gemv_triton import (
+from phalanx.kernels import linear_gemv_triton
+from phalanx.kernels.launch import FastLaunch, cdiv, next_pow2, pdl_enabled, wait_for_producer
+from phalanx.kernels.linear import check_out
+from phalanx.kernels.linear_gemv_triton import (
     GEMV_CONFIGS,
     NORMED_GEMV_CONFIGS,
     gemv_grid,
@@ -65,8 +65,8 @@ from kernels.linear_gemv_triton import (
     normed_gemv_kernel,
     prune_normed_configs,
 )
-from kernels.linear_race import cublas_beats_triton
-from kernels.linear_split_k import (
+from phalanx.kernels.linear_race import cublas_beats_triton
+from phalanx.kernels.linear_split_k import (
     MAX_SPLIT_K,
     no_workspace,
     prune_split_configs,
@@ -74,7 +74,7 @@ from kernels.linear_split_k import (
     split_k_workspace,
     sum_split_partials,
 )
-from kernels.parallel_compile import precompiling
+from phalanx.kernels.parallel_compile import precompiling
 
 log = structlog.get_logger(__name__)
 
@@ -425,12 +425,12 @@ def _cublas(
         return torch.mm(x, w.t(), out_dtype=out_dtype), x
     h = x
     if norm is not None:
-        from kernels.norms_triton import rms_norm_triton
+        from phalanx.kernels.norms_triton import rms_norm_triton
 
         x, h = rms_norm_triton(x, norm.weight, norm.eps, norm.residual)
     y = F.linear(x, w)
     if silu_mul:
-        from kernels.activation_triton import silu_and_mul_triton
+        from phalanx.kernels.activation_triton import silu_and_mul_triton
 
         y = silu_and_mul_triton(y)
     return y, h
@@ -476,7 +476,7 @@ def _pre_normed(
     n_out = _gate_up_rows(w) if silu_mul else w.shape[0]
     if x.shape[0] == 1 and x.shape[1] <= linear_gemv_triton.NORMED_MAX_K:
         return _launch(x, w, n_out, silu_mul, PreNorm.build(x, weight, eps, residual))
-    from kernels.norms_triton import rms_norm_triton
+    from phalanx.kernels.norms_triton import rms_norm_triton
 
     normed, h = rms_norm_triton(x, weight, eps, residual)
     return _launch(normed, w, n_out, silu_mul)[0], h

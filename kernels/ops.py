@@ -14,15 +14,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kernels.activation import silu_and_mul_ref
-from kernels.attention import paged_decode_attention_ref, paged_prefill_attention_ref
-from kernels.conv1d import causal_conv1d_decode_ref, causal_conv1d_prefill_ref
-from kernels.embedding import embedding_ref
-from kernels.gdn import gated_delta_rule_decode_ref, gated_delta_rule_prefill_ref, gdn_gating_ref
-from kernels.gdn_step import gdn_decode_step_ref
-from kernels.greedy import greedy_pick_ref
-from kernels.kv_cache import decode_kv_indices_ref, write_kv_ref
-from kernels.linear import (
+from phalanx.kernels.activation import silu_and_mul_ref
+from phalanx.kernels.attention import paged_decode_attention_ref, paged_prefill_attention_ref
+from phalanx.kernels.conv1d import causal_conv1d_decode_ref, causal_conv1d_prefill_ref
+from phalanx.kernels.embedding import embedding_ref
+from phalanx.kernels.gdn import gated_delta_rule_decode_ref, gated_delta_rule_prefill_ref, gdn_gating_ref
+from phalanx.kernels.gdn_step import gdn_decode_step_ref
+from phalanx.kernels.greedy import greedy_pick_ref
+from phalanx.kernels.kv_cache import decode_kv_indices_ref, write_kv_ref
+from phalanx.kernels.linear import (
     check_out,
     linear_fp32_ref,
     linear_ref,
@@ -30,9 +30,9 @@ from kernels.linear import (
     rms_norm_linear_ref,
     rms_norm_linear_silu_and_mul_ref,
 )
-from kernels.norms import gated_rms_norm_ref, rms_norm_ref
-from kernels.rope import apply_rope_ref, rope_cache
-from kernels.rope_kv import norm_rope_write_kv_ref
+from phalanx.kernels.norms import gated_rms_norm_ref, rms_norm_ref
+from phalanx.kernels.rope import apply_rope_ref, rope_cache
+from phalanx.kernels.rope_kv import norm_rope_write_kv_ref
 
 __all__ = [
     "apply_rope",
@@ -77,7 +77,7 @@ def _triton(module: str, name: str) -> Callable[..., Any]:
     key = f"{module}.{name}"
     fn = _triton_cache.get(key)
     if fn is None:
-        fn = getattr(importlib.import_module(f"kernels.{module}_triton"), f"{name}_triton")
+        fn = getattr(importlib.import_module(f"phalanx.kernels.{module}_triton"), f"{name}_triton")
         _triton_cache[key] = fn
     return fn
 

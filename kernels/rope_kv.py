@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels.kv_cache import write_kv_ref
-from kernels.norms import rms_norm_ref
-from kernels.rope import apply_rope_ref
+from phalanx.kernels.kv_cache import write_kv_ref
+from phalanx.kernels.norms import rms_norm_ref
+from phalanx.kernels.rope import apply_rope_ref
 
 
 def norm_rope_write_kv_ref(

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import next_pow2
+from phalanx.kernels.launch import next_pow2
 
 
 @triton.jit

@@ -29,8 +29,8 @@ import struct
 import threading
 from collections.abc import Iterable
 
-from protocol.errors import ProtocolError
-from protocol.transport import Framer
+from phalanx.protocol.errors import ProtocolError
+from phalanx.protocol.transport import Framer
 
 AUTH_VERSION = 1
 COORDINATOR = 0xFFFFFFFF

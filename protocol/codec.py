@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import msgspec
 
-from protocol.errors import ProtocolError
-from protocol.messages import PROTOCOL_VERSION, Envelope, ReplyEnvelope
+from phalanx.protocol.errors import ProtocolError
+from phalanx.protocol.messages import PROTOCOL_VERSION, Envelope, ReplyEnvelope
 
 _encoder = msgspec.msgpack.Encoder()
 _envelope_decoder = msgspec.msgpack.Decoder(Envelope)

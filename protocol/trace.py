@@ -23,9 +23,9 @@ from pathlib import Path
 
 import msgspec
 
-from protocol.codec import decode_envelope, decode_reply
-from protocol.errors import ProtocolError
-from protocol.messages import Envelope, ReplyEnvelope
+from phalanx.protocol.codec import decode_envelope, decode_reply
+from phalanx.protocol.errors import ProtocolError
+from phalanx.protocol.messages import Envelope, ReplyEnvelope
 
 MAGIC = b"PHXTRACE1\n"
 TRACE_VERSION = 1

@@ -22,7 +22,7 @@ import tempfile
 
 import zmq
 
-from protocol.errors import ProtocolError
+from phalanx.protocol.errors import ProtocolError
 
 # sockaddr_un.sun_path holds 108 bytes including the terminating NUL on Linux.
 _MAX_IPC_PATH = 107

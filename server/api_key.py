@@ -10,7 +10,7 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from server.errors import error_body
+from phalanx.server.errors import error_body
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 

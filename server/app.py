@@ -13,17 +13,17 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from executor.engine import Engine
-from server.access_log import AccessLog
-from server.api_key import ApiKeyCheck
-from server.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
-from server.chat_template import ChatTemplate, ChatTemplateError
-from server.detokenizer import TextTokenizer
-from server.errors import ApiError, error_body
-from server.metrics import ServerMetrics
-from server.routes import router
-from server.service import ServerState
-from server.structured import GrammarCheck
+from phalanx.engine.engine import Engine
+from phalanx.server.access_log import AccessLog
+from phalanx.server.api_key import ApiKeyCheck
+from phalanx.server.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
+from phalanx.server.chat_template import ChatTemplate, ChatTemplateError
+from phalanx.server.detokenizer import TextTokenizer
+from phalanx.server.errors import ApiError, error_body
+from phalanx.server.metrics import ServerMetrics
+from phalanx.server.routes import router
+from phalanx.server.service import ServerState
+from phalanx.server.structured import GrammarCheck
 
 log = structlog.get_logger("phalanx.server")
 

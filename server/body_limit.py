@@ -14,7 +14,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.errors import error_body
+from phalanx.server.errors import error_body
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 

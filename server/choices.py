@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from server.generation import Done, Generation
-from server.openai_format import ChatFormat, Collected, CompletionFormat, usage
+from phalanx.server.generation import Done, Generation
+from phalanx.server.openai_format import ChatFormat, Collected, CompletionFormat, usage
 
 Format = CompletionFormat | ChatFormat
 

@@ -13,11 +13,18 @@ import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from executor.engine import Engine, ErrorEvent, FinishEvent, GenerationParams, RequestStream, TokenEvent
-from executor.events import PromptLogprobsEvent
-from server.access_log import current_usage
-from server.detokenizer import IncrementalDetokenizer, StopMatcher, TextTokenizer
-from server.metrics import ServerMetrics
+from phalanx.engine.engine import (
+    Engine,
+    ErrorEvent,
+    FinishEvent,
+    GenerationParams,
+    PromptLogprobsEvent,
+    RequestStream,
+    TokenEvent,
+)
+from phalanx.server.access_log import current_usage
+from phalanx.server.detokenizer import IncrementalDetokenizer, StopMatcher, TextTokenizer
+from phalanx.server.metrics import ServerMetrics
 
 
 class GenerationError(RuntimeError):

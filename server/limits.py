@@ -12,7 +12,7 @@ from typing import Annotated
 
 from pydantic import Field
 
-from protocol.messages import INT32_MAX, INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_TEMPERATURE
+from phalanx.protocol.messages import INT32_MAX, INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_TEMPERATURE
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 512

@@ -11,10 +11,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from server.detokenizer import IncrementalDetokenizer, TextTokenizer
-from server.generation import Chunk, Done, Generation, PromptScores, PromptToken, TokenInfo
-from server.reasoning import ReasoningSplitter
-from server.tool_calls import ToolCallSplitter
+from phalanx.server.detokenizer import IncrementalDetokenizer, TextTokenizer
+from phalanx.server.generation import Chunk, Done, Generation, PromptScores, PromptToken, TokenInfo
+from phalanx.server.reasoning import ReasoningSplitter
+from phalanx.server.tool_calls import ToolCallSplitter
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

@@ -11,13 +11,19 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from server.choices import Choice, response, stream
-from server.errors import ApiError, error_body
-from server.generation import GenerationError
-from server.openai_format import ChatFormat, Collected, CompletionFormat, collect, vllm_prompt_logprobs
-from server.reasoning import ReasoningSplitter
-from server.schemas import ChatCompletionRequest, CompletionRequest
-from server.service import ServerState
+from phalanx.server.choices import Choice, response, stream
+from phalanx.server.errors import ApiError, error_body
+from phalanx.server.generation import GenerationError
+from phalanx.server.openai_format import (
+    ChatFormat,
+    Collected,
+    CompletionFormat,
+    collect,
+    vllm_prompt_logprobs,
+)
+from phalanx.server.reasoning import ReasoningSplitter
+from phalanx.server.schemas import ChatCompletionRequest, CompletionRequest
+from phalanx.server.service import ServerState
 
 router = APIRouter()
 
@@ -75,7 +81,9 @@ async def completions(body: CompletionRequest, request: Request) -> JSONResponse
     state = _state(request)
     state.check_model(body.model)
     # tokenizing (a long prompt, many prompts) runs off the event loop: other streams go on
-    prompts = await run_in_threadpool(lambda: [state.completion_prompt_ids(prompt) for prompt in body.prompts])
+    prompts = await run_in_threadpool(
+        lambda: [state.completion_prompt_ids(prompt) for prompt in body.prompts]
+    )
     choices = state.start_choices(prompts, body, body.max_tokens, body.logprobs, body.prompt_top_logprobs)
     fmt = CompletionFormat(
         state.tokenizer,

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from server.limits import (
+from phalanx.server.limits import (
     INT32_MAX,
     MAX_STOP_STRINGS,
     RESERVED_TEMPLATE_KWARGS,
@@ -53,7 +53,8 @@ class SamplingRequest(BaseModel):
     stream: Flag = False
     stream_options: StreamOptions | None = None
     n: Annotated[
-        int, Field(strict=True, ge=1, le=INT32_MAX, description="choices per prompt (at most the decode slots)")
+        int,
+        Field(strict=True, ge=1, le=INT32_MAX, description="choices per prompt (at most the decode slots)"),
     ] = 1
     # accepted only at their neutral values: silently ignoring them would change results unseen
     presence_penalty: StrictFloat = 0.0

@@ -8,15 +8,15 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from executor.engine import Engine, GenerationParams
-from server.chat_template import ChatTemplate, ChatTemplateError
-from server.choices import Choice
-from server.detokenizer import TextTokenizer
-from server.errors import bad_request, unavailable
-from server.generation import Generation, StopRule
-from server.metrics import ServerMetrics
-from server.schemas import ChatCompletionRequest, SamplingRequest
-from server.structured import (
+from phalanx.engine.engine import Engine, GenerationParams
+from phalanx.server.chat_template import ChatTemplate, ChatTemplateError
+from phalanx.server.choices import Choice
+from phalanx.server.detokenizer import TextTokenizer
+from phalanx.server.errors import bad_request, unavailable
+from phalanx.server.generation import Generation, StopRule
+from phalanx.server.metrics import ServerMetrics
+from phalanx.server.schemas import ChatCompletionRequest, SamplingRequest
+from phalanx.server.structured import (
     GrammarCheck,
     guided_grammar,
     response_format_grammar,

@@ -14,8 +14,8 @@ from typing import Any
 
 import structlog
 
-from executor.engine import EngineStats
-from server.metrics import TokenTotals
+from phalanx.engine.engine import EngineStats
+from phalanx.server.metrics import TokenTotals
 
 log = structlog.get_logger("phalanx.stats")
 

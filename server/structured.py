@@ -16,7 +16,7 @@ from typing import Any
 
 import llguidance
 
-from server.errors import bad_request
+from phalanx.server.errors import bad_request
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"

@@ -8,7 +8,7 @@ import json
 import uuid
 from typing import Any
 
-from server.structured import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from phalanx.server.structured import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 
 
 def _call(block: str) -> dict[str, Any] | None:

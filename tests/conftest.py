@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from models.tiny import build_tiny_model
+from phalanx.models.tiny import build_tiny_model
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
-from protocol.messages import (
+from phalanx.protocol.messages import (
     FED_TOKEN,
     NO_FEED,
     Capacity,
@@ -32,7 +32,7 @@ from protocol.messages import (
     TokenResult,
     UnifiedDone,
 )
-from protocol.packing import unpack_list
+from phalanx.protocol.packing import unpack_list
 
 
 class RankStateError(RuntimeError):

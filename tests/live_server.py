@@ -56,7 +56,7 @@ def serve_process(
 ) -> Iterator[Served]:
     """Run ``phalanx serve ARGS --port 0``. ``new_session`` gives the server and its ranks a process
     group of their own, which a test may signal as a terminal's Ctrl-C would."""
-    argv = [sys.executable, "-m", "tools", "serve", *args, "--port", "0"]
+    argv = [sys.executable, "-m", "phalanx.tools", "serve", *args, "--port", "0"]
     log = log_path.open("w")
     process = subprocess.Popen(
         argv, cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True, env=env, start_new_session=new_session

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import torch
 
-from executor.launcher import ExecutorConfig
-from protocol.messages import DecodeRow, PrefillChunk, SamplingParams, TokenResult
-from protocol.packing import pack_ids
+from phalanx.executor.launcher import ExecutorConfig
+from phalanx.protocol.messages import DecodeRow, PrefillChunk, SamplingParams, TokenResult
+from phalanx.protocol.packing import pack_ids
 
 PAGE = 4
 PAGES_PER_REQUEST = 4  # 16 positions per request
@@ -112,8 +112,8 @@ def row(request_id: int, index: int, slot: int, token: int, position: int) -> De
 
 def reference_generation(model_dir: Path, prompt: list[int], steps: int) -> list[TokenResult]:
     """Greedy generation of one request alone, in process, at TP 1."""
-    from models.qwen35 import DecodeBatch, PrefillBatch, Qwen35Model
-    from worker.sampling import sample
+    from phalanx.models.qwen35 import DecodeBatch, PrefillBatch, Qwen35Model
+    from phalanx.worker.sampling import sample
 
     model = Qwen35Model.load(model_dir, rank=0, world_size=1, device=torch.device("cpu"))
     model.allocate_cache(PAGES_PER_REQUEST + 1, PAGE, 1)

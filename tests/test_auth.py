@@ -9,8 +9,8 @@ import pytest
 import zmq
 from log_lines import rank_records
 
-from executor.launcher import ExecutorConfig, launch_executor
-from protocol import (
+from phalanx.executor.launcher import ExecutorConfig, launch_executor
+from phalanx.protocol import (
     PROTOCOL_VERSION,
     Ack,
     DecodeRow,
@@ -21,7 +21,7 @@ from protocol import (
     encode,
     pack_ids,
 )
-from protocol.auth import (
+from phalanx.protocol.auth import (
     COORDINATOR,
     OVERHEAD,
     REPLAY_WINDOW,
@@ -32,7 +32,7 @@ from protocol.auth import (
     rank_authenticator,
     shared_secret_from_env,
 )
-from protocol.errors import ProtocolError
+from phalanx.protocol.errors import ProtocolError
 
 
 def _pair(world: int = 2) -> tuple[FrameAuthenticator, list[FrameAuthenticator]]:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tools.bench_args import at_least, integer_at_least, tp_degrees
-from tools.cli import main
+from phalanx.tools.bench_args import at_least, integer_at_least, tp_degrees
+from phalanx.tools.cli import main
 
 
 def test_counts_with_a_floor() -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.cli import main
+from phalanx.tools.cli import main
 
 
 def test_bench_grammar_times_masks_and_picks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

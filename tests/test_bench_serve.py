@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 from live_server import serve_process
 
-from tools import bench_serve
-from tools.cli import main as phalanx
+from phalanx.tools import bench_serve
+from phalanx.tools.cli import main as phalanx
 
 
 def test_bench_serve_against_the_demo_server(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from worker.capacity import CUDA_SLACK_BYTES, GIB, CapacityError, memory_line, size_capacity
-from worker.config import WorkerLimits
-from worker.memory_profile import ActivationProfile
+from phalanx.protocol.launch import WorkerLimits
+from phalanx.worker.capacity import CUDA_SLACK_BYTES, GIB, CapacityError, memory_line, size_capacity
+from phalanx.worker.memory_profile import ActivationProfile
 
 MIB = 1 << 20
 CUDA = torch.device("cuda", 0)
@@ -97,7 +97,7 @@ def test_cpu_capacity_is_the_configured_limits() -> None:
 def test_a_tp_rank_profiles_its_steps_before_the_process_group_exists(tiny_model_dir) -> None:
     """The profile run's collectives are skipped (no process group yet) and keep their shapes:
     rank 1 of 2 prefills and decodes to full-vocabulary logits, then drops its throwaway cache."""
-    from models.qwen35 import DecodeBatch, PrefillBatch, Qwen35Model
+    from phalanx.models.qwen35 import DecodeBatch, PrefillBatch, Qwen35Model
 
     model = Qwen35Model.load(tiny_model_dir, rank=1, world_size=2)
     model.allocate_cache(4, 16, 1)

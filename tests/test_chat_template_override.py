@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from server.chat_template import ChatTemplate, ChatTemplateError
-from tools.cli import main
+from phalanx.server.chat_template import ChatTemplate, ChatTemplateError
+from phalanx.tools.cli import main
 
 TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{{ eos_token }}"
 MESSAGES = [{"role": "user", "content": "hi"}]

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from tools.cli import SUBCOMMANDS, command_parser, main
+from phalanx.tools.cli import SUBCOMMANDS, command_parser, main
 
 
 def _parsers(parser: argparse.ArgumentParser, path: str) -> Iterator[tuple[str, argparse.ArgumentParser]]:

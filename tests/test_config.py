@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from models.qwen35 import ConfigError, Qwen35Config
+from phalanx.models.qwen35 import ConfigError, Qwen35Config
 
 TEXT = {
     "hidden_size": 64,

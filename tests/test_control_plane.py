@@ -18,8 +18,8 @@ import pytest
 import zmq
 from live_server import Served, metric, rank_pids, serve_process
 
-from protocol import PROTOCOL_VERSION, encode
-from protocol.messages import Ack, ReplyEnvelope
+from phalanx.protocol import PROTOCOL_VERSION, encode
+from phalanx.protocol.messages import Ack, ReplyEnvelope
 
 FORGED = 10_000
 

@@ -25,7 +25,7 @@ def _prompt(n: int, seed: int) -> list[int]:
 
 def test_kv_pages_past_2_31_elements_give_the_low_pages_logits(tiny_model_dir: Path) -> None:
     """The same request decoded through pages at the pool's start and past 2^31 elements."""
-    from models.qwen35 import DecodeBatch, PrefillBatch, Qwen35Model
+    from phalanx.models.qwen35 import DecodeBatch, PrefillBatch, Qwen35Model
 
     model = Qwen35Model.load(tiny_model_dir, device=DEV, dtype=torch.bfloat16)
     page_size = 16
@@ -53,8 +53,8 @@ def test_the_default_sized_pool_serves_the_model_greedy_tokens(
 ) -> None:
     """Defaults: every page that fits (far past 2^31 elements for the tiny model, the padding page
     last) and up to 256 slots; the stream equals the model's own greedy decode."""
-    from executor.engine import Engine, EngineConfig, GenerationParams, TokenEvent
-    from models.qwen35 import Qwen35Model
+    from phalanx.engine.engine import Engine, EngineConfig, GenerationParams, TokenEvent
+    from phalanx.models.qwen35 import Qwen35Model
     from tests.test_cuda_model import greedy
 
     model = Qwen35Model.load(tiny_model_dir, device=DEV, dtype=torch.bfloat16)

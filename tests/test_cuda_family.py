@@ -26,7 +26,7 @@ NEW_TOKENS = 8
 
 @pytest.fixture(scope="module", params=SIZES)
 def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tools.random_checkpoint import write_random_checkpoint
+    from phalanx.tools.random_checkpoint import write_random_checkpoint
 
     out = tmp_path_factory.mktemp(f"qwen35-{request.param}")
     write_random_checkpoint(request.param, out, DEV, seed=1, layers=LAYERS)
@@ -37,7 +37,7 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 def _generate(
     model_dir: Path, prompt: list[int], capsys: pytest.CaptureFixture[str], *flags: str
 ) -> list[int]:
-    from tools.cli import main
+    from phalanx.tools.cli import main
 
     ids = ",".join(map(str, prompt))
     argv = ["generate", "--model", str(model_dir), "--prompt-ids", ids, "--max-tokens", str(NEW_TOKENS)]

@@ -77,7 +77,7 @@ def assert_matches(
 
 
 def _step(path: str) -> Callable[..., torch.Tensor]:
-    from kernels import gdn_step_triton
+    from phalanx.kernels import gdn_step_triton
 
     return {
         "dispatch": gdn_step_triton.gdn_decode_step_triton,
@@ -89,7 +89,7 @@ def _step(path: str) -> Callable[..., torch.Tensor]:
 @pytest.mark.parametrize("path", ["dispatch", "fused", "split"])
 @pytest.mark.parametrize("batch", [1, 16, 64, 256])
 def test_decode_step_matches_reference(path: str, batch: int) -> None:
-    from kernels.gdn_step import gdn_decode_step_ref
+    from phalanx.kernels.gdn_step import gdn_decode_step_ref
 
     inputs = step_inputs(batch)
     ref = with_state_copies(inputs)
@@ -102,7 +102,7 @@ def test_decode_step_matches_reference(path: str, batch: int) -> None:
 @pytest.mark.parametrize("batch", [1, 64])
 def test_two_steps_in_a_row_match_reference(path: str, batch: int) -> None:
     """The second step reads the conv and recurrent state the first one wrote."""
-    from kernels.gdn_step import gdn_decode_step_ref
+    from phalanx.kernels.gdn_step import gdn_decode_step_ref
 
     inputs = step_inputs(batch)
     ref = with_state_copies(inputs)
@@ -125,7 +125,7 @@ def test_step_in_cuda_graph(
     borrows the nearest tuned bucket's tile inside the capture (no benchmarking there). Two
     replays match two reference steps and, where the bucket was tuned before capture (so eager and
     graph run the same tile), equal the eager launches bit for bit."""
-    from kernels.gdn_step import gdn_decode_step_ref
+    from phalanx.kernels.gdn_step import gdn_decode_step_ref
 
     step = _step(path)
     call(step, step_inputs(eager_batch, geometry))
@@ -155,8 +155,8 @@ def test_step_in_cuda_graph(
 def test_split_step_with_whole_head_tile(tile: tuple[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
     """A tile as wide as dv (each program norms its own value head, no workspace, no counter),
     set as the batch-1 pick: matches the reference, and two steps in a row too."""
-    from kernels import gdn_step_triton
-    from kernels.gdn_step import gdn_decode_step_ref
+    from phalanx.kernels import gdn_step_triton
+    from phalanx.kernels.gdn_step import gdn_decode_step_ref
 
     inputs = step_inputs(1)
     hk, hv, dk, dv = GEOMETRY_4B
@@ -171,9 +171,9 @@ def test_split_step_with_whole_head_tile(tile: tuple[int, int], monkeypatch: pyt
 
 def test_batch_1_split_step_takes_the_fixed_tile() -> None:
     """Batch 1's tile is set, not tuned (``kernels/gdn_tiles.FIXED_TILES``), and matches the reference."""
-    from kernels import gdn_step_triton
-    from kernels.gdn_step import gdn_decode_step_ref
-    from kernels.gdn_tiles import FIXED_TILES
+    from phalanx.kernels import gdn_step_triton
+    from phalanx.kernels.gdn_step import gdn_decode_step_ref
+    from phalanx.kernels.gdn_tiles import FIXED_TILES
 
     inputs = step_inputs(1)
     hk, hv, dk, dv = GEOMETRY_4B

@@ -8,9 +8,9 @@ import pytest
 import torch
 from test_graphs_runner import PAGE_SIZE, Pair
 
-from models.qwen35.batch import DecodeBatch
-from worker.errors import WorkerStateError
-from worker.graphs import GraphError
+from phalanx.models.qwen35.batch import DecodeBatch
+from phalanx.worker.errors import WorkerStateError
+from phalanx.worker.graphs import GraphError
 
 pytestmark = [
     pytest.mark.cuda,

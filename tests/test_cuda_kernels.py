@@ -16,7 +16,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.language.extra.cuda import globaltimer  # noqa: E402
 
-from kernels.launch import wait_for_producer  # noqa: E402
+from phalanx.kernels.launch import wait_for_producer  # noqa: E402
 from tests.gpu_checks import rand, rel  # noqa: E402
 
 DEV = torch.device("cuda")
@@ -36,8 +36,8 @@ def _seed() -> None:
 
 
 def test_rms_norm() -> None:
-    from kernels.norms import rms_norm_ref
-    from kernels.norms_triton import rms_norm_triton
+    from phalanx.kernels.norms import rms_norm_ref
+    from phalanx.kernels.norms_triton import rms_norm_triton
 
     x, r, w = rand(64, HIDDEN), rand(64, HIDDEN), rand(HIDDEN, scale=0.1)
     y, h = rms_norm_triton(x, w, 1e-6, r)
@@ -56,8 +56,8 @@ def test_rms_norm() -> None:
 
 
 def test_gated_rms_norm_with_strided_gate() -> None:
-    from kernels.norms import gated_rms_norm_ref
-    from kernels.norms_triton import gated_rms_norm_triton
+    from phalanx.kernels.norms import gated_rms_norm_ref
+    from phalanx.kernels.norms_triton import gated_rms_norm_triton
 
     x = rand(64, HV, DV)
     z = rand(64, HV * DV + 64)[:, : HV * DV].reshape(64, HV, DV)  # a column slice, as the model passes it
@@ -66,18 +66,18 @@ def test_gated_rms_norm_with_strided_gate() -> None:
 
 
 def test_silu_and_mul() -> None:
-    from kernels.activation import silu_and_mul_ref
-    from kernels.activation_triton import silu_and_mul_triton
+    from phalanx.kernels.activation import silu_and_mul_ref
+    from phalanx.kernels.activation_triton import silu_and_mul_triton
 
     x = rand(64, 2 * INTER)
     assert rel(silu_and_mul_triton(x), silu_and_mul_ref(x)) <= OUT_TOL
 
 
 def test_apply_rope_and_write_kv() -> None:
-    from kernels.kv_cache import write_kv_ref
-    from kernels.kv_cache_triton import write_kv_triton
-    from kernels.rope import apply_rope_ref, rope_cache
-    from kernels.rope_triton import apply_rope_triton
+    from phalanx.kernels.kv_cache import write_kv_ref
+    from phalanx.kernels.kv_cache_triton import write_kv_triton
+    from phalanx.kernels.rope import apply_rope_ref, rope_cache
+    from phalanx.kernels.rope_triton import apply_rope_triton
 
     cos_sin = rope_cache(32768, 64, 1e7, DEV)
     x = rand(77, HEADS, HEAD_DIM)
@@ -93,8 +93,8 @@ def test_apply_rope_and_write_kv() -> None:
 
 
 def test_embedding_at_the_vocab_shape_with_another_ranks_tokens() -> None:
-    from kernels.embedding import embedding_ref
-    from kernels.embedding_triton import embedding_triton
+    from phalanx.kernels.embedding import embedding_ref
+    from phalanx.kernels.embedding_triton import embedding_triton
 
     vocab = 248320
     weight = rand(vocab // 2, HIDDEN)  # rank 1 of TP 2: rows [vocab / 2, vocab)
@@ -106,8 +106,8 @@ def test_embedding_at_the_vocab_shape_with_another_ranks_tokens() -> None:
 
 @pytest.mark.parametrize("rows", [1, 64, 300])
 def test_decode_kv_indices(rows: int) -> None:
-    from kernels.kv_cache import decode_kv_indices_ref
-    from kernels.kv_cache_triton import decode_kv_indices_triton
+    from phalanx.kernels.kv_cache import decode_kv_indices_ref
+    from phalanx.kernels.kv_cache_triton import decode_kv_indices_triton
 
     positions = torch.randint(0, 40 * PAGE, (rows,), device=DEV)
     table = torch.randint(0, 10_000, (rows, 48), dtype=torch.int32, device=DEV)[:, :40]
@@ -121,8 +121,8 @@ def test_decode_kv_indices(rows: int) -> None:
 
 @pytest.mark.parametrize("batch", [1, 8, 64])
 def test_paged_decode_attention(batch: int) -> None:
-    from kernels.attention import paged_decode_attention_ref
-    from kernels.attention_triton import decode_attention_with_splits, paged_decode_attention_triton
+    from phalanx.kernels.attention import paged_decode_attention_ref
+    from phalanx.kernels.attention_triton import decode_attention_with_splits, paged_decode_attention_triton
 
     pages_per_row = 40
     k_cache, v_cache = (
@@ -173,10 +173,10 @@ def test_decode_attention_reads_the_newest_token_after_the_kv_write_under_pdl() 
     lengths and page tables before waiting for it; that kernel writes each row's newest K and V,
     so the cache must be read after the wait. Before each replay the newest slots hold huge
     values, and the writer stalls before replacing them: a read too early shows in the output."""
-    from kernels.attention import paged_decode_attention_ref
-    from kernels.attention_triton import paged_decode_attention_triton
-    from kernels.kv_cache_triton import decode_kv_indices_triton
-    from kernels.launch import FastLaunch, pdl_enabled
+    from phalanx.kernels.attention import paged_decode_attention_ref
+    from phalanx.kernels.attention_triton import paged_decode_attention_triton
+    from phalanx.kernels.kv_cache_triton import decode_kv_indices_triton
+    from phalanx.kernels.launch import FastLaunch, pdl_enabled
 
     assert pdl_enabled() == (torch.cuda.get_device_capability()[0] >= 9)
     write = FastLaunch(_slow_kv_write_kernel, pdl=True)
@@ -205,8 +205,8 @@ def test_decode_attention_reads_the_newest_token_after_the_kv_write_under_pdl() 
 
 
 def test_paged_prefill_attention() -> None:
-    from kernels.attention import paged_prefill_attention_ref
-    from kernels.attention_triton import paged_prefill_attention_triton
+    from phalanx.kernels.attention import paged_prefill_attention_ref
+    from phalanx.kernels.attention_triton import paged_prefill_attention_triton
 
     k_cache, v_cache = rand(64, PAGE, KV_HEADS, HEAD_DIM), rand(64, PAGE, KV_HEADS, HEAD_DIM)
     tables = torch.randperm(64, device=DEV)[:60].view(3, 20).to(torch.int32)
@@ -226,8 +226,8 @@ def test_paged_prefill_attention() -> None:
 
 
 def test_conv1d_decode_and_prefill() -> None:
-    from kernels.conv1d import causal_conv1d_decode_ref, causal_conv1d_prefill_ref
-    from kernels.conv1d_triton import causal_conv1d_decode_triton, causal_conv1d_prefill_triton
+    from phalanx.kernels.conv1d import causal_conv1d_decode_ref, causal_conv1d_prefill_ref
+    from phalanx.kernels.conv1d_triton import causal_conv1d_decode_triton, causal_conv1d_prefill_triton
 
     w = rand(CONV_DIM, CONV_K, scale=0.3)
     state = rand(70, CONV_DIM, CONV_K - 1)
@@ -246,7 +246,7 @@ def test_conv1d_decode_and_prefill() -> None:
 
 
 def gdn_inputs(tokens: int) -> tuple[torch.Tensor, ...]:
-    from kernels.gdn import gdn_gating_ref
+    from phalanx.kernels.gdn import gdn_gating_ref
 
     q, k, v = rand(tokens, HK, DK), rand(tokens, HK, DK), rand(tokens, HV, DV)
     g, beta = gdn_gating_ref(rand(tokens, HV), rand(tokens, HV), torch.rand(HV, device=DEV).log(), rand(HV))
@@ -254,8 +254,8 @@ def gdn_inputs(tokens: int) -> tuple[torch.Tensor, ...]:
 
 
 def test_gdn_gating() -> None:
-    from kernels.gdn import gdn_gating_ref
-    from kernels.gdn_triton import gdn_gating_triton
+    from phalanx.kernels.gdn import gdn_gating_ref
+    from phalanx.kernels.gdn_triton import gdn_gating_triton
 
     a, b = rand(64, HV, scale=5.0), rand(64, HV)
     a_log, dt = torch.rand(HV, device=DEV).log(), rand(HV)
@@ -264,8 +264,8 @@ def test_gdn_gating() -> None:
 
 
 def test_gated_delta_rule_decode() -> None:
-    from kernels.gdn import gated_delta_rule_decode_ref
-    from kernels.gdn_triton import gated_delta_rule_decode_triton
+    from phalanx.kernels.gdn import gated_delta_rule_decode_ref
+    from phalanx.kernels.gdn_triton import gated_delta_rule_decode_triton
 
     q, k, v, g, beta = gdn_inputs(64)
     state = torch.randn(70, HV, DK, DV, device=DEV) * 0.1
@@ -278,8 +278,8 @@ def test_gated_delta_rule_decode() -> None:
 
 @pytest.mark.parametrize("path", ["chunked", "recurrent"])
 def test_gated_delta_rule_prefill(path: str) -> None:
-    from kernels import gdn_triton
-    from kernels.gdn import gated_delta_rule_prefill_ref
+    from phalanx.kernels import gdn_triton
+    from phalanx.kernels.gdn import gated_delta_rule_prefill_ref
 
     fn = (
         gdn_triton.gated_delta_rule_prefill_triton
@@ -302,8 +302,8 @@ def test_gated_delta_rule_prefill(path: str) -> None:
 
 
 def test_gdn_decode_step_fused() -> None:
-    from kernels.gdn_step import gdn_decode_step_ref
-    from kernels.gdn_step_triton import gdn_decode_step_triton
+    from phalanx.kernels.gdn_step import gdn_decode_step_ref
+    from phalanx.kernels.gdn_step_triton import gdn_decode_step_triton
 
     mixed = rand(64, CONV_DIM + HV * DV + 2 * HV)[:, :CONV_DIM]  # a slice of the fused projection
     cw = rand(CONV_DIM, CONV_K, scale=0.3)
@@ -320,9 +320,9 @@ def test_gdn_decode_step_fused() -> None:
 
 
 def test_norm_rope_write_kv_fused() -> None:
-    from kernels.rope import rope_cache
-    from kernels.rope_kv import norm_rope_write_kv_ref
-    from kernels.rope_kv_triton import norm_rope_write_kv_triton
+    from phalanx.kernels.rope import rope_cache
+    from phalanx.kernels.rope_kv import norm_rope_write_kv_ref
+    from phalanx.kernels.rope_kv_triton import norm_rope_write_kv_triton
 
     cos_sin = rope_cache(32768, 64, 1e7, DEV)
     hd = HEAD_DIM
@@ -345,10 +345,10 @@ def test_fast_launch_repeats_and_new_specialisations_stay_correct() -> None:
     """After the first launch of a specialisation, FastLaunch calls the compiled handle directly:
     repeated launches on fresh inputs, and inputs that need another specialisation (a misaligned
     view, a different row count), must all still match the reference."""
-    from kernels.activation import silu_and_mul_ref
-    from kernels.activation_triton import silu_and_mul_triton
-    from kernels.norms import rms_norm_ref
-    from kernels.norms_triton import rms_norm_triton
+    from phalanx.kernels.activation import silu_and_mul_ref
+    from phalanx.kernels.activation_triton import silu_and_mul_triton
+    from phalanx.kernels.norms import rms_norm_ref
+    from phalanx.kernels.norms_triton import rms_norm_triton
 
     weight = rand(HIDDEN, scale=0.1)
     for rows in (1, 1, 3, 1, 17):
@@ -367,8 +367,8 @@ def test_fast_launch_repeats_and_new_specialisations_stay_correct() -> None:
 def test_greedy_pick_at_the_vocab_shape_equals_argmax_and_feeds_each_slot(rows: int) -> None:
     """At Qwen3.5's vocabulary (61 programs a row): torch.argmax's tokens, ties to the smallest id
     across programs, the fed buffer written at each row's slot only; replayed in a graph too."""
-    from kernels.greedy import greedy_pick_ref
-    from kernels.greedy_triton import greedy_pick_triton
+    from phalanx.kernels.greedy import greedy_pick_ref
+    from phalanx.kernels.greedy_triton import greedy_pick_triton
 
     vocab = 248320
     logits = torch.randn(rows, vocab, device=DEV)

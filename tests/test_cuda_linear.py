@@ -22,18 +22,18 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.language.extra.cuda import globaltimer  # noqa: E402
 
-from kernels import linear_triton as linear_triton_module  # noqa: E402
-from kernels import ops  # noqa: E402
-from kernels.launch import FastLaunch, pdl_enabled, wait_for_producer  # noqa: E402
-from kernels.linear_triton import (  # noqa: E402
+from phalanx.kernels import linear_triton as linear_triton_module  # noqa: E402
+from phalanx.kernels import ops  # noqa: E402
+from phalanx.kernels.launch import FastLaunch, pdl_enabled, wait_for_producer  # noqa: E402
+from phalanx.kernels.linear_triton import (  # noqa: E402
     linear_silu_and_mul_triton,
     linear_triton,
     rms_norm_linear_silu_and_mul_triton,
     rms_norm_linear_triton,
 )
-from kernels.norms_triton import rms_norm_triton  # noqa: E402
+from phalanx.kernels.norms_triton import rms_norm_triton  # noqa: E402
+from phalanx.tools.bench_linear import LinearShape, linear_shapes  # noqa: E402
 from tests.gpu_checks import rel  # noqa: E402
-from tools.bench_linear import LinearShape, linear_shapes  # noqa: E402
 
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16
@@ -209,7 +209,7 @@ def test_dependent_gemv_chain_under_pdl_in_a_graph_matches_eager_and_reference()
     """Under programmatic dependent launch each kernel may start while the one before it still
     runs: a read before the wait would see a stale or half-written input. Sixteen dependent
     launches, replayed from a graph, must equal eager bit for bit and the fp32 chain within bf16."""
-    from kernels.launch import pdl_enabled
+    from phalanx.kernels.launch import pdl_enabled
 
     assert pdl_enabled() == (torch.cuda.get_device_capability()[0] >= 9)
     gen = torch.Generator(device=DEV).manual_seed(5)
@@ -246,7 +246,7 @@ def test_split_k_gemm_matches_reference_and_replays_in_a_graph(
     fp32, the same bits from a graph replay as eagerly, and every arrival counter back at zero."""
     import triton
 
-    from kernels import linear_split_k
+    from phalanx.kernels import linear_split_k
 
     if fused:
         w = (torch.randn(2 * 2048, 2560, device=DEV) * 2560**-0.5).to(BF16)

@@ -21,7 +21,7 @@ NEW_TOKENS = 64
 
 def greedy(model, prompt: list[int], new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
     """Prefill the prompt in one chunk, then decode greedily; returns the tokens and each step's logits."""
-    from models.qwen35 import DecodeBatch, PrefillBatch
+    from phalanx.models.qwen35 import DecodeBatch, PrefillBatch
 
     pages = list(range(-(-(len(prompt) + new_tokens) // PAGE_SIZE)))
     model.allocate_cache(len(pages) + 1, PAGE_SIZE, 2)
@@ -54,7 +54,7 @@ def prompt_ids(n: int, seed: int = 0) -> list[int]:
 def test_tiny_logits_match_fp32_reference_within_bf16(tiny_model_dir: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from models.qwen35 import PrefillBatch, Qwen35Model
+    from phalanx.models.qwen35 import PrefillBatch, Qwen35Model
 
     prompt = prompt_ids(100)
     # On the GPU: with fla-core installed, transformers runs its kernels, which need CUDA tensors.
@@ -133,7 +133,7 @@ def hf_greedy(model_dir: Path, prompt: list[int], new_tokens: int) -> Trajectory
 
 def teacher_forced(model, prompt: list[int], forced: list[int]) -> list[torch.Tensor]:
     """phalanx's logits at each step when fed transformers' tokens (prefill, then decode)."""
-    from models.qwen35 import DecodeBatch, PrefillBatch
+    from phalanx.models.qwen35 import DecodeBatch, PrefillBatch
 
     pages = list(range(-(-(len(prompt) + len(forced)) // PAGE_SIZE)))
     model.allocate_cache(len(pages) + 1, PAGE_SIZE, 2)
@@ -149,7 +149,7 @@ def test_tiny_greedy_tokens_match_transformers_bf16(tiny_model_dir: Path) -> Non
     has no defined answer in bf16. (1) Teacher-forced on transformers' 64 tokens, phalanx's argmax
     equals transformers' token at every other step. (2) Free running, phalanx's tokens equal
     transformers' until they part, if they do, and they part only at such a step."""
-    from models.qwen35 import Qwen35Model
+    from phalanx.models.qwen35 import Qwen35Model
 
     prompt = prompt_ids(40, seed=1)
     expected = hf_greedy(tiny_model_dir, prompt, NEW_TOKENS)
@@ -173,7 +173,7 @@ def test_tiny_greedy_tokens_match_transformers_bf16(tiny_model_dir: Path) -> Non
 
 
 def test_4b_geometry_random_weights_generates() -> None:
-    from tools.bench_decode import build_random_model
+    from phalanx.tools.bench_decode import build_random_model
 
     model = build_random_model("4b", DEV)
     tokens, logits = greedy(model, prompt_ids(200, seed=2), 16)
@@ -188,9 +188,9 @@ def test_bound_decode_ops_give_the_general_path_s_logits_bit_for_bit(
     """At the 4B shapes: decode through the layers' bound ops (kernels/bound.py, bound from the
     third step on) against the same model with binding off, every step's logits equal. Every
     linear binds, whether its key went to Triton or cuBLAS (at batch 64 cuBLAS answers some)."""
-    from kernels import bound
-    from models.qwen35 import DecodeBatch
-    from tools.bench_decode import build_random_model
+    from phalanx.kernels import bound
+    from phalanx.models.qwen35 import DecodeBatch
+    from phalanx.tools.bench_decode import build_random_model
 
     model = build_random_model("4b", DEV)
     pages_per_row = 4
@@ -235,8 +235,8 @@ def test_engine_on_cuda_generates_the_model_greedy_tokens(tiny_model_dir: Path, 
     """The whole runtime (executor + one worker process) on CUDA, pipelined, eager and with graphs
     (whose tokens rank 0 reads where the graph landed them): its greedy stream equals the model's
     own greedy decode on the same GPU."""
-    from executor.engine import Engine, EngineConfig, GenerationParams, TokenEvent
-    from models.qwen35 import Qwen35Model
+    from phalanx.engine.engine import Engine, EngineConfig, GenerationParams, TokenEvent
+    from phalanx.models.qwen35 import Qwen35Model
 
     prompt = prompt_ids(40, seed=3)
     model = Qwen35Model.load(tiny_model_dir, device=DEV, dtype=torch.bfloat16)

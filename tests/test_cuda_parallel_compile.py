@@ -10,7 +10,7 @@ import triton.testing
 from compile_probe import scale_kernel
 from triton import knobs
 
-from kernels.parallel_compile import parallel_compile, precompiling
+from phalanx.kernels.parallel_compile import parallel_compile, precompiling
 
 pytestmark = pytest.mark.cuda
 

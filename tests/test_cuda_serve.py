@@ -24,7 +24,7 @@ CONCURRENT = 64
 
 @pytest.fixture(scope="module")
 def model_4b(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tools.random_checkpoint import write_random_checkpoint
+    from phalanx.tools.random_checkpoint import write_random_checkpoint
 
     out = tmp_path_factory.mktemp("qwen35-4b")
     write_random_checkpoint("4b", out, torch.device("cuda"))

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tools.bench_decode_tp import CHILD_ENV, finish_rank, host_barrier, init_rank, run_ranks
+from phalanx.tools.bench_decode_tp import CHILD_ENV, finish_rank, host_barrier, init_rank, run_ranks
 
 pytestmark = [
     pytest.mark.cuda,
@@ -72,7 +72,7 @@ class Scenario:
 
 def run_scenario(model, scenario: Scenario, device: torch.device) -> torch.Tensor:
     """Every prompt token's logits, then every decode row's: float32 [rows, vocab] on the CPU."""
-    from models.qwen35 import DecodeBatch, PrefillBatch
+    from phalanx.models.qwen35 import DecodeBatch, PrefillBatch
 
     requests = len(scenario.prompts)
     model.allocate_cache(requests * scenario.pages_per_request + 1, PAGE_SIZE, requests)
@@ -85,8 +85,8 @@ def run_scenario(model, scenario: Scenario, device: torch.device) -> torch.Tenso
 
 
 def _build(source: tuple, rank: int, world_size: int, device: torch.device, dtype: torch.dtype):
-    from models.qwen35 import Qwen35Model
-    from tools.bench_decode_tp import build_sharded_model
+    from phalanx.models.qwen35 import Qwen35Model
+    from phalanx.tools.bench_decode_tp import build_sharded_model
 
     if source[0] == "checkpoint":
         return Qwen35Model.load(source[1], rank=rank, world_size=world_size, device=device, dtype=dtype)
@@ -145,7 +145,7 @@ def _compare_tp2_with_tp1(tp1: torch.Tensor, tp2: torch.Tensor, fp32: torch.Tens
 
 
 def test_tiny_tp2_logits_match_tp1_within_bf16(tiny_model_dir: Path, tmp_path: Path) -> None:
-    from models.qwen35 import Qwen35Model
+    from phalanx.models.qwen35 import Qwen35Model
 
     scenario = Scenario.random([23, 17, 30], steps=4, vocab=384, seed=11)
     source = ("checkpoint", str(tiny_model_dir))
@@ -159,10 +159,10 @@ def test_tiny_tp2_logits_match_tp1_within_bf16(tiny_model_dir: Path, tmp_path: P
 def test_4b_geometry_tp2_logits_match_tp1_within_bf16(tmp_path: Path) -> None:
     """Random bf16 weights of the 4B geometry (the same global tensors at both degrees); the fp32
     reference runs on the CPU from those very bf16 weights."""
-    from models.qwen35 import Qwen35Config, Qwen35Model
-    from models.qwen35.sharding import RankLayout
-    from tools.bench_decode import config_dict
-    from tools.bench_decode_tp import sharded_random_weights
+    from phalanx.models.qwen35 import Qwen35Config, Qwen35Model
+    from phalanx.models.qwen35.sharding import RankLayout
+    from phalanx.tools.bench_decode import config_dict
+    from phalanx.tools.bench_decode_tp import sharded_random_weights
 
     seed = 3
     scenario = Scenario.random([64, 40], steps=4, vocab=248320, seed=12)
@@ -200,10 +200,10 @@ def _graph_pair_rank(
 ) -> None:
     """Two copies of the tiny shard: one decodes plainly, one through the graph runner after the
     pre-capture sweep (each phase a barrier). Rank 0 records each step's graph-vs-eager error."""
-    from executor.precapture import sweep_phases
-    from models.qwen35 import DecodeBatch, PrefillBatch, Qwen35Model
-    from worker.buckets import bucket_for, state_slot_layout
-    from worker.graphs import DecodeGraphRunner, GraphGeometry
+    from phalanx.executor.precapture import sweep_phases
+    from phalanx.models.qwen35 import DecodeBatch, PrefillBatch, Qwen35Model
+    from phalanx.worker.buckets import bucket_for, state_slot_layout
+    from phalanx.worker.graphs import DecodeGraphRunner, GraphGeometry
 
     device = init_rank(rank, world_size, init_method, device_kind)
     dtype = _dtype(device)
@@ -290,7 +290,7 @@ def test_tp2_graph_replays_match_eager_across_straddles_and_compaction(
 
 
 def _greedy_tokens(model_dir: Path, prompt: list[int], cuda_graph: bool) -> list[int]:
-    from executor.engine import Engine, EngineConfig, FinishEvent, GenerationParams, TokenEvent
+    from phalanx.engine.engine import Engine, EngineConfig, FinishEvent, GenerationParams, TokenEvent
 
     config = EngineConfig(
         model_dir=model_dir,
@@ -327,10 +327,10 @@ def test_rank_sigkilled_mid_decode_under_nccl_stops_every_rank(
 ) -> None:
     """Rank 1 SIGKILLs itself inside its second decode, while rank 0 runs the same step and waits
     for it in an NCCL collective: the executor names the dead rank and no rank is left behind."""
-    from executor.errors import ExecutorPoisoned
-    from executor.launcher import launch_executor
+    from phalanx.executor.errors import ExecutorPoisoned
+    from phalanx.executor.launcher import launch_executor
+    from phalanx.worker import faults
     from tests.runtime_helpers import alive, chunk, row, small_config
-    from worker import faults
 
     monkeypatch.setenv(faults.ENV, "1:decode#2:kill")
     ex = launch_executor(

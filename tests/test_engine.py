@@ -10,10 +10,10 @@ import time
 import pytest
 from fake_ranks import FakeRanks
 
-from executor.engine import Engine, ErrorEvent, FinishEvent, GenerationParams, TokenEvent
-from executor.errors import ExecutorPoisoned
-from executor.model_info import ModelInfo
-from protocol.messages import Capacity, DecodeRow
+from phalanx.engine.engine import Engine, ErrorEvent, FinishEvent, GenerationParams, TokenEvent
+from phalanx.executor.errors import ExecutorPoisoned
+from phalanx.executor.model_info import ModelInfo
+from phalanx.protocol.messages import Capacity, DecodeRow
 
 
 class DoubleExecutor(FakeRanks):

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from executor.engine import (
+from phalanx.engine.engine import (
     Engine,
     EngineConfig,
     ErrorEvent,
@@ -29,7 +29,7 @@ from executor.engine import (
     TokenEvent,
     launch,
 )
-from protocol.messages import Expectation
+from phalanx.protocol.messages import Expectation
 
 KV_PAGES, PAGE_SIZE, MAX_SLOTS, MAX_BATCH_TOKENS = 32, 4, 16, 24
 MAX_CONTEXT = KV_PAGES * PAGE_SIZE  # below the tiny model's 2048 positions

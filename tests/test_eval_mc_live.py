@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from live_server import MODEL_NAME, REPO, live_server
 
-from tools.cli import main as phalanx
-from tools.evalmc.extract import extract_answer
+from phalanx.tools.cli import main as phalanx
+from phalanx.tools.evalmc.extract import extract_answer
 
 SUBJECTS = {"geography": 16, "arithmetic": 12, "colours": 8}
 SAMPLE = 24
@@ -56,7 +56,7 @@ def test_killed_run_resumes_without_losing_or_duplicating(base_url: str, tmp_pat
     data, out = _dataset(tmp_path / "mc.jsonl"), tmp_path / "out"
     partial = out / "mmlu_redux_samples.partial.jsonl"
     process = subprocess.Popen(
-        [sys.executable, "-m", "tools", *_argv(base_url, data, out), "--model", MODEL_NAME],
+        [sys.executable, "-m", "phalanx.tools", *_argv(base_url, data, out), "--model", MODEL_NAME],
         cwd=REPO,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from tools.cli import main as phalanx
-from tools.evalmc.checkpoint import repair_jsonl_tail
-from tools.evalmc.data import DatasetError, Item, load_items, load_paths, stratified_sample
-from tools.evalmc.extract import extract_answer
-from tools.evalmc.recipes import RECIPES, build_prompts
+from phalanx.tools.cli import main as phalanx
+from phalanx.tools.evalmc.checkpoint import repair_jsonl_tail
+from phalanx.tools.evalmc.data import DatasetError, Item, load_items, load_paths, stratified_sample
+from phalanx.tools.evalmc.extract import extract_answer
+from phalanx.tools.evalmc.recipes import RECIPES, build_prompts
 
 OPTIONS = ("Paris", "London", "New York", "New York City")
 

@@ -10,11 +10,19 @@ from pathlib import Path
 import pytest
 from msgspec.structs import replace
 
-from executor.checks import check_decode, check_drop, check_prefill, check_unified
-from executor.errors import StepRejected
-from executor.model_info import read_model_info
-from protocol.messages import NO_FEED, Capacity, DecodeRow, DropRequest, Expectation, PrefillChunk, SlotMove
-from protocol.packing import pack_ids
+from phalanx.executor.checks import check_decode, check_drop, check_prefill, check_unified
+from phalanx.executor.errors import StepRejected
+from phalanx.executor.model_info import read_model_info
+from phalanx.protocol.messages import (
+    NO_FEED,
+    Capacity,
+    DecodeRow,
+    DropRequest,
+    Expectation,
+    PrefillChunk,
+    SlotMove,
+)
+from phalanx.protocol.packing import pack_ids
 
 CAPACITY = Capacity(kv_pages=8, page_size=4, max_slots=2, max_batch_tokens=10)
 VOCAB = 100

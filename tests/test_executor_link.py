@@ -6,16 +6,16 @@ import time
 
 import pytest
 
-from executor.collect import StepCollection
-from executor.config import ExecutorConfig
-from executor.errors import ExecutorPoisoned
-from executor.link import DispatchError, RankLink
-from executor.model_info import ModelInfo
-from executor.ranks import RankHandle
-from executor.runtime import Executor
-from protocol import PROTOCOL_VERSION, encode
-from protocol.messages import Ack, Capacity, Failed, Heartbeat, ReplyEnvelope
-from protocol.transport import CoordinatorSocket, RankSocket, RuntimeDir
+from phalanx.executor.collect import StepCollection
+from phalanx.executor.config import ExecutorConfig
+from phalanx.executor.errors import ExecutorPoisoned
+from phalanx.executor.link import DispatchError, RankLink
+from phalanx.executor.model_info import ModelInfo
+from phalanx.executor.ranks import RankHandle
+from phalanx.executor.runtime import Executor
+from phalanx.protocol import PROTOCOL_VERSION, encode
+from phalanx.protocol.messages import Ack, Capacity, Failed, Heartbeat, ReplyEnvelope
+from phalanx.protocol.transport import CoordinatorSocket, RankSocket, RuntimeDir
 
 EPOCH = 11
 

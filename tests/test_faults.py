@@ -22,16 +22,16 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from executor.engine import Engine, EngineConfig, ErrorEvent, GenerationParams
-from executor.errors import ExecutorPoisoned, StartupError
-from executor.launcher import ExecutorConfig, launch_executor
-from executor.runtime import Executor
-from protocol import DecodeRow, Expectation, PrefillChunk, SlotMove, pack_ids
-from protocol.messages import FED_TOKEN
-from protocol.trace import Direction, read_trace
-from server.app import create_app
+from phalanx.engine.engine import Engine, EngineConfig, ErrorEvent, GenerationParams
+from phalanx.executor.errors import ExecutorPoisoned, StartupError
+from phalanx.executor.launcher import ExecutorConfig, launch_executor
+from phalanx.executor.runtime import Executor
+from phalanx.protocol import DecodeRow, Expectation, PrefillChunk, SlotMove, pack_ids
+from phalanx.protocol.messages import FED_TOKEN
+from phalanx.protocol.trace import Direction, read_trace
+from phalanx.server.app import create_app
+from phalanx.worker import faults
 from tests.runtime_helpers import alive
-from worker import faults
 
 LIMITS = {"kv_pages": 8, "page_size": 16, "max_slots": 4, "max_batch_tokens": 64}
 PROMPT = [1, 2, 3]

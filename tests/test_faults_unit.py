@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from protocol import (
+from phalanx.protocol import (
     PROTOCOL_VERSION,
     Ack,
     Decode,
@@ -26,7 +26,7 @@ from protocol import (
     encode,
     pack_ids,
 )
-from worker import faults
+from phalanx.worker import faults
 
 
 class _Wire:

@@ -14,8 +14,8 @@ import pytest
 import zmq
 from log_lines import rank_records
 
-from executor.launcher import ExecutorConfig, launch_executor
-from protocol import (
+from phalanx.executor.launcher import ExecutorConfig, launch_executor
+from phalanx.protocol import (
     PROTOCOL_VERSION,
     Ack,
     Capacity,
@@ -37,7 +37,7 @@ from protocol import (
     encode,
     pack_ids,
 )
-from protocol.trace import Direction, read_trace
+from phalanx.protocol.trace import Direction, read_trace
 
 FRAMES_PER_SOCKET = 10_000
 FOREIGN = 0xFFFF_FFFF_0000  # xor-ed into the epoch: far more bits than a few flips can undo

@@ -9,10 +9,10 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from protocol.messages import FED_TOKEN, NO_FEED, Decode, Prefill
-from protocol.trace import read_trace
-from tools.cli import main
-from tools.launch_options import model_dir_problem
+from phalanx.protocol.messages import FED_TOKEN, NO_FEED, Decode, Prefill
+from phalanx.protocol.trace import read_trace
+from phalanx.tools.cli import main
+from phalanx.tools.launch_options import model_dir_problem
 
 
 @pytest.mark.parametrize("pipelined", [True, False], ids=["pipelined", "no-pipeline"])

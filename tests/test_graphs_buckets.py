@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from worker.buckets import (
+from phalanx.worker.buckets import (
     DECODE_BUCKETS,
     bucket_for,
     buckets_up_to,

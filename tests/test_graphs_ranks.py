@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from executor.errors import StartupError
-from executor.launcher import launch_executor
-from executor.precapture import phase_name
-from protocol.messages import Expectation, Precapture, SlotMove, TokenResult
-from protocol.trace import read_trace
+from phalanx.executor.errors import StartupError
+from phalanx.executor.launcher import launch_executor
+from phalanx.executor.precapture import phase_name
+from phalanx.protocol.messages import Expectation, Precapture, SlotMove, TokenResult
+from phalanx.protocol.trace import read_trace
+from phalanx.worker import faults
 from tests.runtime_helpers import chunk, reference_generation, row, small_config
-from worker import faults
 
 PROMPTS = {0: [5, 17, 42, 99, 7, 300, 12], 1: [64, 3, 250, 8, 1], 2: [400, 11, 23]}
 MAX_SLOTS = 3  # buckets 1, 2, 4: a batch of 3 pads to 4

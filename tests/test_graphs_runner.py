@@ -9,13 +9,13 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from executor.precapture import sweep_phases
-from models.qwen35 import Qwen35Model
-from models.qwen35.batch import DecodeBatch, PrefillBatch
-from protocol.messages import Capture, Finalize, Launch, Warmup
-from worker import graph_inputs, graphs
-from worker.buckets import state_slot_layout
-from worker.graphs import DecodeGraphRunner, GraphError, GraphGeometry, graph_blocker, padding_slots
+from phalanx.executor.precapture import sweep_phases
+from phalanx.models.qwen35 import Qwen35Model
+from phalanx.models.qwen35.batch import DecodeBatch, PrefillBatch
+from phalanx.protocol.messages import Capture, Finalize, Launch, Warmup
+from phalanx.worker import graph_inputs, graphs
+from phalanx.worker.buckets import state_slot_layout
+from phalanx.worker.graphs import DecodeGraphRunner, GraphError, GraphGeometry, graph_blocker, padding_slots
 
 PAGE_SIZE = 8
 PAGES_PER_REQUEST = 4

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from executor.precapture import Watchdog, phase_name, run_precapture_sweep, sweep_phases
-from protocol.messages import Capture, Finalize, Launch, Warmup
+from phalanx.executor.precapture import Watchdog, phase_name, run_precapture_sweep, sweep_phases
+from phalanx.protocol.messages import Capture, Finalize, Launch, Warmup
 
 
 def test_phases_are_warmup_then_capture_launch_per_bucket_largest_first_then_finalize() -> None:

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import zmq
 
-from worker.heartbeat import EXIT_ORPHANED
+from phalanx.worker.heartbeat import EXIT_ORPHANED
 
 REPO = Path(__file__).resolve().parent.parent
 RANK = """
 import sys, time
-from worker.heartbeat import HeartbeatThread
+from phalanx.worker.heartbeat import HeartbeatThread
 thread = HeartbeatThread(sys.argv[1], rank=0, epoch=1, interval_s=0.05, coordinator_grace_s=float(sys.argv[2]))
 thread.start()
 time.sleep(float(sys.argv[3]))

@@ -6,7 +6,7 @@ import re
 
 import torch
 
-from tools import host_info
+from phalanx.tools import host_info
 
 
 def test_host_line_names_the_cpu_cores_and_a_measured_allocation_cost() -> None:

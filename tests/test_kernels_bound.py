@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels.bound as bound
+import phalanx.kernels.bound as bound
 from tests.interpreter_checks import report, run_interpreted
 
 BF16 = torch.bfloat16
@@ -27,8 +27,8 @@ def _mismatch(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _linear_case(m: int) -> dict[str, float]:
-    from kernels import linear_triton as lt
-    from kernels.linear_bind_triton import bind_linear
+    from phalanx.kernels import linear_triton as lt
+    from phalanx.kernels.linear_bind_triton import bind_linear
 
     w, w_gate_up = _rand(37, 100, scale=0.1), _rand(74, 100, scale=0.1)
     first = _rand(m, 100)
@@ -57,8 +57,8 @@ def _cublas_case() -> dict[str, float]:
     """Keys the race gave to cuBLAS (set here: the interpreter never races) bind to the mm, and
     the pre-normed ones to the norm kernel, then the mm (then SiLU-and-mul). CPU torch has no
     mm with an fp32 result from bf16: the fp32 head's mm runs on the GPU only."""
-    from kernels import linear_triton as lt
-    from kernels.linear_bind_triton import bind_linear
+    from phalanx.kernels import linear_triton as lt
+    from phalanx.kernels.linear_bind_triton import bind_linear
 
     w, w_gate_up = _rand(37, 100, scale=0.1), _rand(74, 100, scale=0.1)
     first, x, residual = _rand(4, 100), _rand(4, 100), _rand(4, 100)
@@ -76,7 +76,7 @@ def _cublas_case() -> dict[str, float]:
 
 
 def _gdn_case(batch: int) -> dict[str, float]:
-    from kernels.gdn_step_triton import bind_gdn_decode_step, gdn_decode_step_split
+    from phalanx.kernels.gdn_step_triton import bind_gdn_decode_step, gdn_decode_step_split
     from tests.test_kernels_gdn_split import _step_inputs
 
     names = ["mixed_qkv", "conv_weight", "conv_state", "z", "a", "b", "A_log", "dt_bias", "norm_weight"]
@@ -101,7 +101,7 @@ def _gdn_case(batch: int) -> dict[str, float]:
 
 
 def _attention_case(gated: bool) -> dict[str, float]:
-    from kernels.attention_triton import bind_paged_decode_attention, paged_decode_attention_triton
+    from phalanx.kernels.attention_triton import bind_paged_decode_attention, paged_decode_attention_triton
 
     k_cache, v_cache = _rand(24, 4, 2, 32), _rand(24, 4, 2, 32)
     table = torch.randperm(24)[:18].view(3, 6).to(torch.int32)
@@ -122,8 +122,8 @@ def _attention_case(gated: bool) -> dict[str, float]:
 
 
 def _norm_rope_case() -> dict[str, float]:
-    from kernels.rope import rope_cache
-    from kernels.rope_kv_triton import bind_norm_rope_write_kv, norm_rope_write_kv_triton
+    from phalanx.kernels.rope import rope_cache
+    from phalanx.kernels.rope_kv_triton import bind_norm_rope_write_kv, norm_rope_write_kv_triton
 
     cos_sin = rope_cache(64, 8, 1e4, torch.device("cpu"))
     qw, kw = _rand(32, scale=0.3), _rand(32, scale=0.3)
@@ -213,7 +213,7 @@ def test_prefill_sized_layouts_never_bind() -> None:
 
 
 def test_bound_ops_on_cpu_are_the_references() -> None:
-    from kernels import ops
+    from phalanx.kernels import ops
 
     w, x, residual = torch.randn(6, 8), torch.randn(1, 8), torch.randn(1, 8)
     linear, head = bound.BoundLinear(w), bound.BoundLinear(w, fp32_out=True)

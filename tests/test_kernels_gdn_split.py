@@ -53,7 +53,7 @@ def _step_inputs(batch: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 
 
 def _compare(step: Callable[..., torch.Tensor], batch: int, dtype: torch.dtype) -> dict[str, float]:
-    from kernels.gdn_step import gdn_decode_step_ref
+    from phalanx.kernels.gdn_step import gdn_decode_step_ref
 
     inputs = _step_inputs(batch, dtype)
     ref_inputs = {**inputs, "conv_state": inputs["conv_state"].clone(), "state": inputs["state"].clone()}
@@ -77,7 +77,7 @@ def _compare(step: Callable[..., torch.Tensor], batch: int, dtype: torch.dtype) 
 def _dispatched(batch: int, dtype: torch.dtype, expect: str, path: str) -> dict[str, float]:
     """Runs ``gdn_decode_step_triton`` with its path set as ``PHALANX_GDN=path`` sets it;
     ``wrong_path`` is 1.0 unless it took ``expect`` once."""
-    from kernels import gdn_step_triton
+    from phalanx.kernels import gdn_step_triton
 
     taken: list[str] = []
     split, fused = gdn_step_triton.gdn_decode_step_split, gdn_step_triton.gdn_decode_step_fused
@@ -107,7 +107,7 @@ def check_split_small_fp32() -> dict[str, float]:
 def check_split_whole_head_tile() -> dict[str, float]:
     """A tile as wide as dv: each program holds its whole value head and norms it from its
     registers, with no workspace and no counter."""
-    from kernels import gdn_step_triton
+    from phalanx.kernels import gdn_step_triton
 
     saved, gdn_step_triton.INTERPRET_TILE = gdn_step_triton.INTERPRET_TILE, (DV, 4)
     try:
@@ -117,7 +117,7 @@ def check_split_whole_head_tile() -> dict[str, float]:
 
 
 def check_split_small_bf16() -> dict[str, float]:
-    from kernels.gdn_step_triton import gdn_decode_step_split
+    from phalanx.kernels.gdn_step_triton import gdn_decode_step_split
 
     errors = _compare(gdn_decode_step_split, 3, torch.bfloat16)
     errors["state_after_bf16_stages"] = errors.pop("state")
@@ -125,7 +125,7 @@ def check_split_small_bf16() -> dict[str, float]:
 
 
 def check_split_bf16_above_threshold() -> dict[str, float]:
-    from kernels.gdn_step_triton import gdn_decode_step_split
+    from phalanx.kernels.gdn_step_triton import gdn_decode_step_split
 
     errors = _compare(gdn_decode_step_split, 20, torch.bfloat16)
     errors["state_after_bf16_stages"] = errors.pop("state")
@@ -135,7 +135,7 @@ def check_split_bf16_above_threshold() -> dict[str, float]:
 def _repeated(path: str, batch: int, dtype: torch.dtype) -> dict[str, float]:
     """One path against the reference; run twice on equal inputs, it must give equal outputs
     (nothing depends on which program arrives last) and leave its counters at zero."""
-    from kernels import gdn_step_triton
+    from phalanx.kernels import gdn_step_triton
 
     step = getattr(gdn_step_triton, f"gdn_decode_step_{path}")
     errors = _compare(step, batch, dtype)
@@ -173,7 +173,7 @@ def check_fused_bf16_batch_20() -> dict[str, float]:
 
 
 def check_dispatch_takes_split_by_default() -> dict[str, float]:
-    from kernels import gdn_step_triton
+    from phalanx.kernels import gdn_step_triton
 
     errors = _dispatched(3, torch.float32, "split", "split")
     default = os.environ.get("PHALANX_GDN") is None
@@ -186,7 +186,7 @@ def check_dispatch_takes_fused_when_asked() -> dict[str, float]:
 
 
 def check_tuning_bucket_is_the_graph_bucket_capped() -> dict[str, float]:
-    from kernels.gdn_tiles import MAX_TUNING_ROWS, tuning_bucket
+    from phalanx.kernels.gdn_tiles import MAX_TUNING_ROWS, tuning_bucket
 
     return {
         "wrong_buckets": float([tuning_bucket(n) for n in (1, 3, 16, 17, 64)] != [1, 4, 16, 32, 64]),
@@ -203,7 +203,7 @@ def _error_text(fn: Callable[[], None]) -> str:
 
 
 def check_state_layout_errors_name_the_shapes() -> dict[str, float]:
-    from kernels.gdn_step_triton import check_step_states
+    from phalanx.kernels.gdn_step_triton import check_step_states
 
     conv_state = torch.zeros(4, CONV_DIM, CONV_K - 1)
     bf16_state = torch.zeros(4, HV, DK, DV, dtype=torch.bfloat16)
@@ -222,7 +222,7 @@ def check_state_layout_errors_name_the_shapes() -> dict[str, float]:
 
 
 def check_bucket_met_in_capture_borrows_nearest_tuned_tile() -> dict[str, float]:
-    from kernels.gdn_tiles import DEFAULT_TILE, TunedTiles
+    from phalanx.kernels.gdn_tiles import DEFAULT_TILE, TunedTiles
 
     rest = (2, 4, 128, 128, torch.bfloat16)
     tuned = TunedTiles("test kernel")
@@ -245,8 +245,8 @@ def check_bucket_met_in_capture_borrows_nearest_tuned_tile() -> dict[str, float]
 
 
 def check_fixed_bucket_is_never_tuned() -> dict[str, float]:
-    from kernels.gdn_step_triton import TUNED
-    from kernels.gdn_tiles import FIXED_TILES, TunedTiles
+    from phalanx.kernels.gdn_step_triton import TUNED
+    from phalanx.kernels.gdn_tiles import FIXED_TILES, TunedTiles
 
     rest = (2, 4, 128, 128, torch.bfloat16)
     tuned = TunedTiles("test kernel", {1: (64, 4)})
@@ -288,7 +288,7 @@ def test_tile_prune_keeps_enough_programs_at_small_batch(monkeypatch: pytest.Mon
 
     import triton
 
-    from kernels import gdn_tiles
+    from phalanx.kernels import gdn_tiles
 
     monkeypatch.setattr(
         torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(multi_processor_count=132)
@@ -306,14 +306,14 @@ def test_tile_prune_keeps_enough_programs_at_small_batch(monkeypatch: pytest.Mon
 
 
 def test_unknown_gdn_path_is_refused() -> None:
-    stderr = import_error("kernels.gdn_step_triton", {"PHALANX_GDN": "both"})
+    stderr = import_error("phalanx.kernels.gdn_step_triton", {"PHALANX_GDN": "both"})
     assert "PHALANX_GDN='both' is not one of split, fused" in stderr
 
 
 def test_bench_gdn_is_a_bench_kind_and_needs_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
     import argparse
 
-    from tools import bench
+    from phalanx.tools import bench
 
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)

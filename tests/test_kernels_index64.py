@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_triton import _kv_offsets
+from phalanx.kernels.attention_triton import _kv_offsets
 from tests.interpreter_checks import assert_within, report, run_interpreted
 
 PAGE = 16

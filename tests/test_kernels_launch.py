@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import kernels.launch as launch
+import phalanx.kernels.launch as launch
 
 
 class _Compiled:

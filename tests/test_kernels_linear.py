@@ -31,14 +31,14 @@ def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _case(m: int, n: int, k: int) -> dict[str, float]:
-    from kernels.linear import (
+    from phalanx.kernels.linear import (
         linear_fp32_ref,
         linear_ref,
         linear_silu_and_mul_ref,
         rms_norm_linear_ref,
         rms_norm_linear_silu_and_mul_ref,
     )
-    from kernels.linear_triton import (
+    from phalanx.kernels.linear_triton import (
         linear_fp32_triton,
         linear_silu_and_mul_triton,
         linear_triton,
@@ -81,8 +81,8 @@ def _case(m: int, n: int, k: int) -> dict[str, float]:
 def _split_k_case(m: int) -> dict[str, float]:
     """The skinny GEMM with K cut in 3 (kernels/linear_split_k.py): K = 100 in BLOCK_K = 32 steps
     gives shares of 64, 36 and nothing (an empty split still arrives); plain and fused with SiLU."""
-    from kernels import linear_split_k, linear_triton
-    from kernels.linear import linear_ref, linear_silu_and_mul_ref
+    from phalanx.kernels import linear_split_k, linear_triton
+    from phalanx.kernels.linear import linear_ref, linear_silu_and_mul_ref
 
     x = torch.randn(m, 100).to(BF16)
     w, w_gate_up = (torch.randn(37, 100) * 0.1).to(BF16), (torch.randn(74, 100) * 0.1).to(BF16)
@@ -106,7 +106,7 @@ def _persistent_gemv_case(n: int, k: int) -> dict[str, float]:
     with 2 per SM and BLOCK_N = 16, up to 8 programs share the N rows unevenly, each over one or
     several row blocks, the last one partly masked. Every output row must be written (the output
     is poisoned with NaN first), plain, fused with SiLU and pre-normed."""
-    from kernels import linear_triton
+    from phalanx.kernels import linear_triton
 
     linear_triton.INTERPRETER_GEMV_PER_SM = 2
     try:
@@ -123,8 +123,8 @@ def _persistent_gemv_case(n: int, k: int) -> dict[str, float]:
 def _wide_normed_case(n: int, k: int) -> dict[str, float]:
     """A pre-normed row wider than the pre-normed GEMV takes (its limit lowered to 64 here): the
     norm kernel, then the plain GEMV, plain and fused, with the residual stream it leaves."""
-    from kernels import linear_gemv_triton, linear_triton
-    from kernels.linear import rms_norm_linear_ref, rms_norm_linear_silu_and_mul_ref
+    from phalanx.kernels import linear_gemv_triton, linear_triton
+    from phalanx.kernels.linear import rms_norm_linear_ref, rms_norm_linear_silu_and_mul_ref
 
     x, residual = torch.randn(1, k).to(BF16), torch.randn(1, k).to(BF16)
     norm = (torch.randn(k) * 0.1).to(BF16)
@@ -225,8 +225,8 @@ def test_split_k_gemm_sums_every_split_and_resets_its_counters(
 
 
 def test_cpu_dispatch_uses_the_references() -> None:
-    from kernels import ops
-    from kernels.linear import (
+    from phalanx.kernels import ops
+    from phalanx.kernels.linear import (
         linear_ref,
         linear_silu_and_mul_ref,
         rms_norm_linear_ref,
@@ -247,8 +247,8 @@ def test_cpu_dispatch_uses_the_references() -> None:
 
 
 def test_linear_writes_into_a_given_out_buffer_of_its_exact_shape() -> None:
-    from kernels import ops
-    from kernels.linear import linear_ref
+    from phalanx.kernels import ops
+    from phalanx.kernels.linear import linear_ref
 
     x, w = torch.randn(3, 16), torch.randn(10, 16)
     out = torch.empty(3, 10)
@@ -263,7 +263,7 @@ def test_linear_writes_into_a_given_out_buffer_of_its_exact_shape() -> None:
 
 
 def test_fp32_linear_keeps_the_sums_in_float32_on_cpu() -> None:
-    from kernels import ops
+    from phalanx.kernels import ops
 
     x, w = torch.randn(3, 16).to(BF16), torch.randn(10, 16).to(BF16)
     logits = ops.linear_fp32(x, w)
@@ -274,7 +274,7 @@ def test_fp32_linear_keeps_the_sums_in_float32_on_cpu() -> None:
 
 
 def test_triton_linear_rejects_mismatched_shapes() -> None:
-    from kernels.linear_triton import linear_silu_and_mul_triton, linear_triton
+    from phalanx.kernels.linear_triton import linear_silu_and_mul_triton, linear_triton
 
     with pytest.raises(ValueError, match=r"linear: x \(2, 8\) and w \(4, 6\) are not \[M, K\] and \[N, K\]"):
         linear_triton(torch.zeros(2, 8), torch.zeros(4, 6))
@@ -285,7 +285,7 @@ def test_triton_linear_rejects_mismatched_shapes() -> None:
 
 
 def test_unknown_linear_backend_is_refused() -> None:
-    stderr = import_error("kernels.ops", {"PHALANX_LINEAR": "magma"})
+    stderr = import_error("phalanx.kernels.ops", {"PHALANX_LINEAR": "magma"})
     assert "PHALANX_LINEAR='magma' is not one of auto, cublas, triton" in stderr
 
 
@@ -298,7 +298,7 @@ def test_the_race_times_both_sides_in_turn_so_a_rising_clock_slows_both_alike(
 ) -> None:
     """Graphs and replays faked (they need a GPU): both sides cost the same at full clock, and the
     clock rises from half speed over the race's first replays, as on a GPU coming out of idle."""
-    from kernels import linear_race
+    from phalanx.kernels import linear_race
 
     cost = {None: 40.0, "triton": 60.0, "cublas": 60.0}  # µs per call at full clock; None: the flush
     replays = iter(range(1000))
@@ -312,7 +312,7 @@ def test_the_race_times_both_sides_in_turn_so_a_rising_clock_slows_both_alike(
 def test_a_key_where_cublas_measured_faster_takes_cublas(monkeypatch: pytest.MonkeyPatch) -> None:
     """The race between the tuned Triton kernel and cuBLAS (timings faked: it runs on a GPU) and
     the dispatch that follows its answer."""
-    from kernels import linear_race, linear_triton
+    from phalanx.kernels import linear_race, linear_triton
 
     monkeypatch.setattr(linear_race, "_race_us", lambda *runs: [2.0, 1.0])  # Triton, cuBLAS: cuBLAS faster
     key = ("gemm", 10, 16, 16, False, "none", torch.float32, torch.float32)

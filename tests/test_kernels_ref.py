@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
-from kernels import ops
-from kernels.rope import rope_cache
+from phalanx.kernels import ops
+from phalanx.kernels.rope import rope_cache
 
 
 @pytest.fixture(autouse=True)
@@ -38,7 +38,7 @@ def test_rms_norm_matches_hf_and_adds_residual() -> None:
 def test_norm_weight_folded_into_the_linear_equals_the_norm_then_the_linear() -> None:
     """The model folds each pre-norm's (1 + w) into the columns of the linear reading it: the
     pre-normed linear without a norm weight, on the folded weight, is the norm then the linear."""
-    from models.qwen35.layers import fold_norm_weight
+    from phalanx.models.qwen35.layers import fold_norm_weight
 
     x, res = torch.randn(3, 64, dtype=torch.float64), torch.randn(3, 64, dtype=torch.float64)
     norm_w, w = torch.rand(64, dtype=torch.float64) - 0.5, torch.randn(40, 64, dtype=torch.float64)

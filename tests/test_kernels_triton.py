@@ -33,8 +33,8 @@ def _rand(*shape: int, dtype: torch.dtype = BF16, scale: float = 1.0) -> torch.T
 
 
 def check_rms_norm() -> dict[str, float]:
-    from kernels.norms import rms_norm_ref
-    from kernels.norms_triton import rms_norm_triton
+    from phalanx.kernels.norms import rms_norm_ref
+    from phalanx.kernels.norms_triton import rms_norm_triton
 
     x, r, w = _rand(5, 48), _rand(5, 48), _rand(48, scale=0.3)
     y, h = rms_norm_triton(x, w, 1e-6)
@@ -50,24 +50,24 @@ def check_rms_norm() -> dict[str, float]:
 
 
 def check_gated_rms_norm() -> dict[str, float]:
-    from kernels.norms import gated_rms_norm_ref
-    from kernels.norms_triton import gated_rms_norm_triton
+    from phalanx.kernels.norms import gated_rms_norm_ref
+    from phalanx.kernels.norms_triton import gated_rms_norm_triton
 
     x, z, w = _rand(3, 5, 16), _rand(3, 5, 16), torch.rand(16) + 0.5
     return {"y": _rel(gated_rms_norm_triton(x, z, w, 1e-6), gated_rms_norm_ref(x, z, w, 1e-6))}
 
 
 def check_silu_and_mul() -> dict[str, float]:
-    from kernels.activation import silu_and_mul_ref
-    from kernels.activation_triton import silu_and_mul_triton
+    from phalanx.kernels.activation import silu_and_mul_ref
+    from phalanx.kernels.activation_triton import silu_and_mul_triton
 
     x = _rand(4, 80)
     return {"y": _rel(silu_and_mul_triton(x), silu_and_mul_ref(x))}
 
 
 def check_apply_rope() -> dict[str, float]:
-    from kernels.rope import apply_rope_ref, rope_cache
-    from kernels.rope_triton import apply_rope_triton
+    from phalanx.kernels.rope import apply_rope_ref, rope_cache
+    from phalanx.kernels.rope_triton import apply_rope_triton
 
     cos_sin = rope_cache(64, 8, 1e4, torch.device("cpu"))
     x = _rand(5, 3, 32)
@@ -76,8 +76,8 @@ def check_apply_rope() -> dict[str, float]:
 
 
 def check_write_kv() -> dict[str, float]:
-    from kernels.kv_cache import write_kv_ref
-    from kernels.kv_cache_triton import write_kv_triton
+    from phalanx.kernels.kv_cache import write_kv_ref
+    from phalanx.kernels.kv_cache_triton import write_kv_triton
 
     k, v = _rand(5, 2, 16), _rand(5, 2, 16)
     slots = torch.tensor([3, 17, 0, 9, 22])
@@ -93,8 +93,8 @@ def _paged_kv(pages: int, page_size: int, kv_heads: int, dim: int) -> tuple[torc
 
 
 def check_paged_decode_attention() -> dict[str, float]:
-    from kernels.attention import paged_decode_attention_ref
-    from kernels.attention_triton import decode_attention_with_splits, paged_decode_attention_triton
+    from phalanx.kernels.attention import paged_decode_attention_ref
+    from phalanx.kernels.attention_triton import decode_attention_with_splits, paged_decode_attention_triton
 
     k_cache, v_cache = _paged_kv(24, 4, 2, 32)
     page_table = torch.randperm(24)[:18].view(3, 6).to(torch.int32)
@@ -134,7 +134,7 @@ def check_decode_attention_batch_vs_bucket() -> dict[str, float]:
     """A batch of 3 run alone with a 75-page table, and inside a padded bucket of 4 with a 200-page
     table (as a CUDA graph runs it): the real rows, long enough to span several splits, agree
     exactly. In fp32, where a different cut of the keys would show (bf16 rounding hides most)."""
-    from kernels.attention_triton import paged_decode_attention_triton
+    from phalanx.kernels.attention_triton import paged_decode_attention_triton
 
     k_cache, v_cache = _rand(226, 4, 2, 32, dtype=F32), _rand(226, 4, 2, 32, dtype=F32)
     table = torch.randperm(225).view(3, 75).to(torch.int32)
@@ -156,8 +156,8 @@ def check_decode_attention_batch_vs_bucket() -> dict[str, float]:
 
 
 def check_paged_prefill_attention() -> dict[str, float]:
-    from kernels.attention import paged_prefill_attention_ref
-    from kernels.attention_triton import paged_prefill_attention_triton
+    from phalanx.kernels.attention import paged_prefill_attention_ref
+    from phalanx.kernels.attention_triton import paged_prefill_attention_triton
 
     k_cache, v_cache = _paged_kv(40, 4, 2, 32)
     page_tables = torch.randperm(40)[:36].view(2, 18).to(torch.int32)
@@ -169,8 +169,8 @@ def check_paged_prefill_attention() -> dict[str, float]:
 
 
 def check_conv1d_decode() -> dict[str, float]:
-    from kernels.conv1d import causal_conv1d_decode_ref
-    from kernels.conv1d_triton import causal_conv1d_decode_triton
+    from phalanx.kernels.conv1d import causal_conv1d_decode_ref
+    from phalanx.kernels.conv1d_triton import causal_conv1d_decode_triton
 
     errors = {}
     # 300 channels: more than one program's block, the last one partly masked.
@@ -187,8 +187,8 @@ def check_conv1d_decode() -> dict[str, float]:
 
 
 def check_conv1d_prefill() -> dict[str, float]:
-    from kernels.conv1d import causal_conv1d_prefill_ref
-    from kernels.conv1d_triton import causal_conv1d_prefill_triton
+    from phalanx.kernels.conv1d import causal_conv1d_prefill_ref
+    from phalanx.kernels.conv1d_triton import causal_conv1d_prefill_triton
 
     x, w = _rand(20, 24), _rand(24, 4, scale=0.5)
     state = _rand(5, 24, 3)
@@ -202,8 +202,8 @@ def check_conv1d_prefill() -> dict[str, float]:
 
 
 def check_gdn_gating() -> dict[str, float]:
-    from kernels.gdn import gdn_gating_ref
-    from kernels.gdn_triton import gdn_gating_triton
+    from phalanx.kernels.gdn import gdn_gating_ref
+    from phalanx.kernels.gdn_triton import gdn_gating_triton
 
     a, b = _rand(5, 4, scale=8.0), _rand(5, 4)
     a[0, 0] = 30.0  # softplus threshold branch
@@ -221,8 +221,8 @@ def _gdn_inputs(tokens: int) -> tuple[torch.Tensor, ...]:
 
 
 def check_delta_rule_decode() -> dict[str, float]:
-    from kernels.gdn import gated_delta_rule_decode_ref
-    from kernels.gdn_triton import gated_delta_rule_decode_triton
+    from phalanx.kernels.gdn import gated_delta_rule_decode_ref
+    from phalanx.kernels.gdn_triton import gated_delta_rule_decode_triton
 
     q, k, v, g, beta = _gdn_inputs(3)
     state = torch.randn(5, 4, 16, 16) * 0.1
@@ -234,8 +234,8 @@ def check_delta_rule_decode() -> dict[str, float]:
 
 
 def check_delta_rule_prefill() -> dict[str, float]:
-    from kernels.gdn import gated_delta_rule_prefill_ref
-    from kernels.gdn_triton import gated_delta_rule_prefill_triton
+    from phalanx.kernels.gdn import gated_delta_rule_prefill_ref
+    from phalanx.kernels.gdn_triton import gated_delta_rule_prefill_triton
 
     q, k, v, g, beta = _gdn_inputs(9)
     state = torch.randn(5, 4, 16, 16) * 0.1
@@ -250,8 +250,8 @@ def check_delta_rule_prefill() -> dict[str, float]:
 
 
 def check_gdn_decode_step() -> dict[str, float]:
-    from kernels.gdn_step import gdn_decode_step_ref
-    from kernels.gdn_step_triton import gdn_decode_step_triton
+    from phalanx.kernels.gdn_step import gdn_decode_step_ref
+    from phalanx.kernels.gdn_step_triton import gdn_decode_step_triton
 
     errors = {}
     # The step rounds q, k, v and o to the model dtype between stages, as the unfused chain does;
@@ -273,9 +273,9 @@ def check_gdn_decode_step() -> dict[str, float]:
 
 
 def check_norm_rope_write_kv() -> dict[str, float]:
-    from kernels.rope import rope_cache
-    from kernels.rope_kv import norm_rope_write_kv_ref
-    from kernels.rope_kv_triton import norm_rope_write_kv_triton
+    from phalanx.kernels.rope import rope_cache
+    from phalanx.kernels.rope_kv import norm_rope_write_kv_ref
+    from phalanx.kernels.rope_kv_triton import norm_rope_write_kv_triton
 
     cos_sin = rope_cache(64, 8, 1e4, torch.device("cpu"))
     qkv = _rand(5, 4 * 2 * 32 + 2 * 2 * 32)  # a fused projection output: q|gate rows per head, k, v
@@ -295,8 +295,8 @@ def check_norm_rope_write_kv() -> dict[str, float]:
 
 
 def check_decode_kv_indices() -> dict[str, float]:
-    from kernels.kv_cache import decode_kv_indices_ref
-    from kernels.kv_cache_triton import decode_kv_indices_triton
+    from phalanx.kernels.kv_cache import decode_kv_indices_ref
+    from phalanx.kernels.kv_cache_triton import decode_kv_indices_triton
 
     positions = torch.tensor([0, 3, 4, 17, 9])  # a page start, a page end, later pages
     table = torch.randint(0, 50, (5, 7), dtype=torch.int32)[:, :6]  # row stride 7, not the width
@@ -309,8 +309,8 @@ def check_decode_kv_indices() -> dict[str, float]:
 
 
 def check_embedding() -> dict[str, float]:
-    from kernels.embedding import embedding_ref
-    from kernels.embedding_triton import embedding_triton
+    from phalanx.kernels.embedding import embedding_ref
+    from phalanx.kernels.embedding_triton import embedding_triton
 
     weight = _rand(11, 1500)  # wider than one program's block
     # Inside this rank's slice [20, 31), below and above it (another rank's rows: zeros).
@@ -324,7 +324,7 @@ def check_embedding() -> dict[str, float]:
 
 
 def check_load_staged() -> dict[str, float]:
-    from kernels.host_staging_triton import (
+    from phalanx.kernels.host_staging_triton import (
         HEADER_ACK,
         HEADER_COLUMNS,
         HEADER_SEQ,
@@ -363,8 +363,8 @@ def check_greedy_pick() -> dict[str, float]:
     and over one: ties go to the smallest id, also across chunks; a row of -inf answers 0; NaN
     counts as the largest; fed gets each row's token at its slot and nothing else; the landing's
     half of the step's parity gets [seq, tokens...]."""
-    from kernels.greedy import greedy_pick_ref
-    from kernels.greedy_triton import _WORKSPACE, greedy_pick_triton
+    from phalanx.kernels.greedy import greedy_pick_ref
+    from phalanx.kernels.greedy_triton import _WORKSPACE, greedy_pick_triton
 
     logits = torch.randn(6, 150)
     logits[1, [40, 7, 129]] = 9.0  # a tie across three chunks: 7 wins
@@ -442,7 +442,7 @@ def test_triton_kernel_matches_reference(
 
 @pytest.mark.parametrize("splits", (0, 65))
 def test_decode_attention_refuses_split_counts_the_merge_cannot_hold(splits: int) -> None:
-    from kernels.attention_triton import decode_attention_with_splits
+    from phalanx.kernels.attention_triton import decode_attention_with_splits
 
     k_cache, v_cache = _paged_kv(4, 4, 2, 32)
     q = _rand(1, 8, 32)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tools.cli import main
-from tools.launch_options import add_model_arguments, choose_launch, resolve_dtype
+from phalanx.tools.cli import main
+from phalanx.tools.launch_options import add_model_arguments, choose_launch, resolve_dtype
 
 
 def _args(*flags: str) -> argparse.Namespace:
@@ -129,7 +129,7 @@ def test_another_architecture_is_named_in_one_sentence_before_any_rank_starts(
 
 
 def test_released_and_text_only_qwen35_configs_are_accepted(tmp_path: Path) -> None:
-    from executor.model_info import read_model_info
+    from phalanx.executor.model_info import read_model_info
 
     released = _checkpoint(
         tmp_path,

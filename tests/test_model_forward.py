@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from models.qwen35 import DecodeBatch, PrefillBatch, Qwen35Model
+from phalanx.models.qwen35 import DecodeBatch, PrefillBatch, Qwen35Model
 
 PAGE_SIZE = 16
 DECODE_STEPS = 32  # after the prefill: 33 greedy tokens in all, compared with generate

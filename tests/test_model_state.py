@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.qwen35 import DecodeBatch, PrefillBatch, Qwen35Model
+from phalanx.models.qwen35 import DecodeBatch, PrefillBatch, Qwen35Model
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-from models.tiny import SPECIAL_TOKENS, build_tiny_model
-from tools.cli import main as phalanx
+from phalanx.models.tiny import SPECIAL_TOKENS, build_tiny_model
+from phalanx.tools.cli import main as phalanx
 
 
 def test_tokenizer_files(tiny_model_dir: Path) -> None:

@@ -211,7 +211,16 @@ def test_every_line_on_stderr_is_one_json_record_without_a_traceback(served: tup
 
 
 def _generate(model_dir: Path, *flags: str) -> subprocess.CompletedProcess[str]:
-    argv = [sys.executable, "-m", "tools", "generate", "--model", str(model_dir), "--prompt-ids", "1,2,3"]
+    argv = [
+        sys.executable,
+        "-m",
+        "phalanx.tools",
+        "generate",
+        "--model",
+        str(model_dir),
+        "--prompt-ids",
+        "1,2,3",
+    ]
     return subprocess.run(
         [*argv, "--max-tokens", "3", *flags], cwd=REPO, capture_output=True, text=True, timeout=180
     )

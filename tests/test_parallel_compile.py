@@ -16,7 +16,7 @@ from compile_probe import scale_kernel
 from triton.backends.compiler import GPUTarget
 from triton.compiler.compiler import make_backend
 
-from kernels.parallel_compile import _CompilePool, default_workers, is_cached
+from phalanx.kernels.parallel_compile import _CompilePool, default_workers, is_cached
 
 TARGET = GPUTarget("cuda", 90, 32)
 ROOT = Path(__file__).resolve().parents[1]
@@ -110,7 +110,7 @@ def test_workers_do_not_rerun_an_unguarded_main_script(tmp_path) -> None:
             sys.path[:0] = {[str(ROOT), str(ROOT / "tests")]!r}
             from compile_probe import scale_kernel
             from test_parallel_compile import TARGET, _spec
-            from kernels.parallel_compile import _CompilePool
+            from phalanx.kernels.parallel_compile import _CompilePool
             pool = _CompilePool(workers=2, compile_here=False)
             pool.compile(scale_kernel, [_spec(64, 4), _spec(64, 8)], TARGET)
             pool.close()

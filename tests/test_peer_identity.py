@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import zmq
 
-from executor.errors import StartupError
-from executor.launcher import launch_executor
-from executor.runtime import Executor
-from protocol import PROTOCOL_VERSION, ProtocolError, decode_envelope, encode
-from protocol.auth import key_from_secret, rank_authenticator
-from protocol.messages import Capacity, Hello, Ready, ReplyEnvelope
+from phalanx.executor.errors import StartupError
+from phalanx.executor.launcher import launch_executor
+from phalanx.executor.runtime import Executor
+from phalanx.protocol import PROTOCOL_VERSION, ProtocolError, decode_envelope, encode
+from phalanx.protocol.auth import key_from_secret, rank_authenticator
+from phalanx.protocol.messages import Capacity, Hello, Ready, ReplyEnvelope
 from tests.runtime_helpers import chunk, free_port, row, small_config, start_attached_rank
 
 SECRET = "peer-identity-test-shared-secret"
@@ -130,7 +130,7 @@ def test_a_wrong_secret_fails_on_both_sides_within_seconds(
 
 
 def test_a_replayed_frame_on_its_own_connection_keeps_the_genuine_counters() -> None:
-    from protocol.auth import COORDINATOR, FrameAuthenticator, new_key
+    from phalanx.protocol.auth import COORDINATOR, FrameAuthenticator, new_key
 
     key = new_key()
     coordinator = FrameAuthenticator(key, COORDINATOR, accept=[0])

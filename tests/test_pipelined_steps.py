@@ -9,13 +9,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from executor.precapture import run_precapture_sweep
-from models.qwen35 import Qwen35Model
-from protocol.messages import FED_TOKEN, Capacity, DecodeRow, DropRequest, Expectation, PrefillChunk, SlotMove
-from protocol.packing import pack_ids
-from worker.buckets import state_slot_layout
-from worker.commands import StepRunner
-from worker.graphs import build_graph_runner
+from phalanx.executor.precapture import run_precapture_sweep
+from phalanx.models.qwen35 import Qwen35Model
+from phalanx.protocol.messages import (
+    FED_TOKEN,
+    Capacity,
+    DecodeRow,
+    DropRequest,
+    Expectation,
+    PrefillChunk,
+    SlotMove,
+)
+from phalanx.protocol.packing import pack_ids
+from phalanx.worker.buckets import state_slot_layout
+from phalanx.worker.commands import StepRunner
+from phalanx.worker.graphs import build_graph_runner
 
 PAGE_SIZE, PAGES_PER_REQUEST, MAX_SLOTS = 8, 8, 4
 CAPACITY = Capacity(

@@ -5,8 +5,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from protocol import PROTOCOL_VERSION, ProtocolError, decode_envelope, decode_reply, encode
-from protocol.messages import (
+from phalanx.protocol import PROTOCOL_VERSION, ProtocolError, decode_envelope, decode_reply, encode
+from phalanx.protocol.messages import (
     Decode,
     DecodeDone,
     DecodeRow,
@@ -20,7 +20,7 @@ from protocol.messages import (
     SlotMove,
     TokenResult,
 )
-from protocol.packing import pack_ids, unpack_list
+from phalanx.protocol.packing import pack_ids, unpack_list
 
 
 def _envelope(body, epoch: int = 7, seq: int = 3) -> Envelope:

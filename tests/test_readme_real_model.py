@@ -15,10 +15,10 @@ import httpx
 import pytest
 from live_server import REPO, serve_process
 
-from models.qwen35.config import ConfigError, Qwen35Config
-from models.qwen35.sharding import RankLayout, tensor_specs
-from tools.bench_decode import config_dict
-from tools.cli import command_parser
+from phalanx.models.qwen35.config import ConfigError, Qwen35Config
+from phalanx.models.qwen35.sharding import RankLayout, tensor_specs
+from phalanx.tools.bench_decode import config_dict
+from phalanx.tools.cli import command_parser
 
 GIB, MIB = 1 << 30, 1 << 20
 
@@ -51,7 +51,11 @@ def test_the_hub_id_refusal_reads_as_shown() -> None:
     args = shlex.split(command.removeprefix("$ "))
     assert args[:2] == ["phalanx", "serve"]
     done = subprocess.run(
-        [sys.executable, "-m", "tools", *args[1:]], cwd=REPO, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "phalanx.tools", *args[1:]],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 2 and (done.stdout + done.stderr).splitlines() == expected
 
@@ -69,7 +73,11 @@ def test_the_cpu_commands_run_on_the_demo_model(tiny_model_dir: Path, tmp_path: 
     assert [args[0] for args in cpu] == ["generate", "serve"]
     generate, serve = cpu
     done = subprocess.run(
-        [sys.executable, "-m", "tools", *generate], cwd=REPO, capture_output=True, text=True, timeout=180
+        [sys.executable, "-m", "phalanx.tools", *generate],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert done.returncode == 0 and done.stdout.strip() and done.stderr == "", done.stderr[-3000:]
     with serve_process(serve[1:], tmp_path / "serve.log") as served:

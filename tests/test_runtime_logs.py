@@ -11,11 +11,11 @@ import threading
 import pytest
 import structlog
 
-from executor import logs as executor_logs
-from executor.config import ExecutorConfig
-from protocol.logs import ConsoleRenderer, configure_logging
-from protocol.messages import Capacity
-from worker import logs as worker_logs
+from phalanx.executor import logs as executor_logs
+from phalanx.executor.config import ExecutorConfig
+from phalanx.protocol.logs import ConsoleRenderer, configure_logging
+from phalanx.protocol.messages import Capacity
+from phalanx.worker import logs as worker_logs
 
 CONSOLE_LINE = re.compile(r"^(DEBUG  |INFO   |WARNING|ERROR  ) \d\d-\d\d \d\d:\d\d:\d\d (r\d+ *|coord) \S")
 CAPACITY = Capacity(kv_pages=512, page_size=16, max_slots=16, max_batch_tokens=2048)

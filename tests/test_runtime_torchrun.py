@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from executor.errors import ExecutorPoisoned
-from executor.launcher import launch_executor
-from protocol.messages import Expectation
+from phalanx.executor.errors import ExecutorPoisoned
+from phalanx.executor.launcher import launch_executor
+from phalanx.protocol.messages import Expectation
 from tests.runtime_helpers import (
     chunk,
     free_port,
@@ -69,7 +69,7 @@ def test_torchrun_style_ranks_join_over_tcp_and_serve(
 
 COORDINATOR = """
 import sys, time
-from executor.launcher import launch_executor
+from phalanx.executor.launcher import launch_executor
 from tests.runtime_helpers import small_config
 launch_executor(small_config(sys.argv[1], 1, transport="tcp", attach=True, port=int(sys.argv[2])))
 print("serving", flush=True)
@@ -116,7 +116,7 @@ def test_generate_attach_serves_through_ranks_started_elsewhere(
     address = f"tcp://127.0.0.1:{port}"
     ranks = [start_attached_rank(rank, tiny_model_dir, address, master_port) for rank in range(2)]
     try:
-        command = [sys.executable, "-m", "tools", "generate", "--model", str(tiny_model_dir)]
+        command = [sys.executable, "-m", "phalanx.tools", "generate", "--model", str(tiny_model_dir)]
         command += ["--tp", "2", "--attach", address, "--prompt-ids", ",".join(map(str, PROMPT))]
         command += ["--max-tokens", "3", "--ignore-eos", "--json"]
         done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)

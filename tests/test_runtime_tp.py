@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from executor.errors import ExecutorPoisoned, StepRejected
-from executor.launcher import launch_executor
-from executor.runtime import Executor
-from protocol.messages import Expectation, SlotMove, TokenResult
+from phalanx.executor.errors import ExecutorPoisoned, StepRejected
+from phalanx.executor.launcher import launch_executor
+from phalanx.executor.runtime import Executor
+from phalanx.protocol.messages import Expectation, SlotMove, TokenResult
 from tests.runtime_helpers import chunk, reference_generation, row, small_config
 
 PROMPTS = {1: [5, 17, 42, 99, 7, 300, 12], 2: [64, 3, 250, 8, 1], 3: [400, 11, 23]}

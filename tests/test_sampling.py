@@ -9,10 +9,10 @@ import pytest
 import torch
 from msgspec.structs import replace
 
-from protocol.messages import SamplingParams
-from worker.errors import WorkerStateError
-from worker.graph_inputs import LandedTokens
-from worker.sampling import draw_tokens, sample, seeded_uniform
+from phalanx.protocol.messages import SamplingParams
+from phalanx.worker.errors import WorkerStateError
+from phalanx.worker.graph_inputs import LandedTokens
+from phalanx.worker.sampling import draw_tokens, sample, seeded_uniform
 
 GREEDY = SamplingParams()
 
@@ -178,7 +178,7 @@ def test_landed_tokens_overwritten_by_a_later_step_are_refused() -> None:
 
 
 def test_a_temperature_below_greedy_below_picks_the_maximum() -> None:
-    from protocol.messages import GREEDY_BELOW
+    from phalanx.protocol.messages import GREEDY_BELOW
 
     logits = torch.tensor([[0.0, 3.0, -1.0, 2.9], [1.0, -5.0, 4.0, 0.0]])
     params = [SamplingParams(temperature=t, seed=1) for t in (1e-308, GREEDY_BELOW / 2)]

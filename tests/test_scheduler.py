@@ -10,13 +10,13 @@ import random
 import pytest
 from fake_ranks import FakeRanks, RankStateError
 
-from executor.events import Event, FinishEvent, TokenEvent
-from executor.pages import PagePool
-from executor.requests import GenerationParams, Phase, Request
-from executor.scheduler import Scheduler
-from executor.slots import DenseSlots
-from executor.step_contract import ArtifactError, align_results
-from protocol.messages import FED_TOKEN, NO_FEED, Capacity, Expectation, SlotMove, TokenResult
+from phalanx.protocol.messages import FED_TOKEN, NO_FEED, Capacity, Expectation, SlotMove, TokenResult
+from phalanx.scheduler.events import Event, FinishEvent, TokenEvent
+from phalanx.scheduler.pages import PagePool
+from phalanx.scheduler.requests import GenerationParams, Phase, Request
+from phalanx.scheduler.scheduler import Scheduler
+from phalanx.scheduler.slots import DenseSlots
+from phalanx.scheduler.step_contract import ArtifactError, align_results
 
 
 def make(

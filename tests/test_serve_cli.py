@@ -8,8 +8,8 @@ import shlex
 
 import pytest
 
-from tools.cli import main
-from tools.serve import curl_line, port_number
+from phalanx.tools.cli import main
+from phalanx.tools.serve import curl_line, port_number
 
 
 def test_curl_line_posts_a_chat_completion_to_the_printed_address() -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from live_server import InFlight, rank_pids, serve_process, wait_for_metric
 
-from protocol.transport import RuntimeDir
+from phalanx.protocol.transport import RuntimeDir
 
 
 def _args(model_dir: Path, *extra: str) -> list[str]:

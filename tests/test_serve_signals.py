@@ -48,7 +48,7 @@ def _stop_generate_at(model_dir: Path, log_path: Path, event: str, max_tokens: i
     """Runs ``phalanx generate`` at TP 2 in a session of its own, sends ``stop`` to the whole
     session once ``event`` is logged, and returns the log once it has exited with the shell's
     code for the signal (130 or 143)."""
-    argv = [sys.executable, "-m", "tools", "generate", "--model", str(model_dir), "--tp", "2"]
+    argv = [sys.executable, "-m", "phalanx.tools", "generate", "--model", str(model_dir), "--tp", "2"]
     argv += ["--prompt-ids", "1,2,3", "--max-tokens", str(max_tokens), "--ignore-eos"]
     argv += ["--verbose", "--log-format", "json"]
     with log_path.open("w") as log:
@@ -92,7 +92,7 @@ def test_generate_stopped_during_startup_stops_its_ranks(
 
 _RANK_STUCK_IN_A_CALL = """
 import os, sys
-from worker.entry import _leave_after_sigterm
+from phalanx.worker.entry import _leave_after_sigterm
 _leave_after_sigterm(float(sys.argv[1]))
 print("ready", flush=True)
 read_fd, _ = os.pipe()
@@ -126,7 +126,7 @@ def test_a_rank_stuck_in_a_call_still_leaves_after_the_sigterm_grace() -> None:
 
 _LEAVES_WITHOUT_SHUTDOWN = """
 import sys
-from executor.engine import Engine, EngineConfig
+from phalanx.engine.engine import Engine, EngineConfig
 config = EngineConfig(model_dir=sys.argv[1], tp=2, kv_pages=64, executor_options={"log_format": "json"})
 engine = Engine.start(config)
 print("started", flush=True)

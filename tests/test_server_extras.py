@@ -14,7 +14,7 @@ import pytest
 import torch
 from live_server import MODEL_NAME, live_server
 
-from server.detokenizer import TextTokenizer
+from phalanx.server.detokenizer import TextTokenizer
 
 
 @pytest.fixture(scope="module")

@@ -16,18 +16,18 @@ import pytest
 from fake_ranks import FakeRanks
 from fastapi.testclient import TestClient
 
-from executor.engine import Engine, GenerationParams
-from executor.errors import ExecutorPoisoned
-from executor.model_info import ModelInfo
-from protocol.messages import Capacity
-from server.app import create_app
-from server.chat_template import ChatTemplate, ChatTemplateError
-from server.detokenizer import IncrementalDetokenizer, StopMatcher, TextTokenizer
-from server.generation import Chunk, Done, Generation, StopRule
-from server.metrics import ServerMetrics
-from server.openai_format import ChatFormat, Collected
-from server.reasoning import ReasoningSplitter
-from server.tool_calls import ToolCallSplitter
+from phalanx.engine.engine import Engine, GenerationParams
+from phalanx.executor.errors import ExecutorPoisoned
+from phalanx.executor.model_info import ModelInfo
+from phalanx.protocol.messages import Capacity
+from phalanx.server.app import create_app
+from phalanx.server.chat_template import ChatTemplate, ChatTemplateError
+from phalanx.server.detokenizer import IncrementalDetokenizer, StopMatcher, TextTokenizer
+from phalanx.server.generation import Chunk, Done, Generation, StopRule
+from phalanx.server.metrics import ServerMetrics
+from phalanx.server.openai_format import ChatFormat, Collected
+from phalanx.server.reasoning import ReasoningSplitter
+from phalanx.server.tool_calls import ToolCallSplitter
 
 # A Qwen-style template: system prompt first, tool messages, reasoning kept only in the last
 # turn, a thinking switch, and the template's own raise_exception.

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from executor.engine import EngineStats
-from server.metrics import TokenTotals
-from server.stats_log import StatsLog
+from phalanx.engine.engine import EngineStats
+from phalanx.server.metrics import TokenTotals
+from phalanx.server.stats_log import StatsLog
 
 
 def _stats(running: int = 0, waiting: int = 0, kv_used: int = 0, slots_used: int = 0) -> EngineStats:
@@ -20,7 +20,7 @@ def test_a_busy_interval_gives_rates_and_occupancy_and_an_idle_one_nothing(
     totals = TokenTotals()
     now = [100.0]
     engine = [_stats()]
-    monkeypatch.setattr("server.stats_log.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("phalanx.server.stats_log.time.monotonic", lambda: now[0])
     reporter = StatsLog(lambda: engine[0], totals, interval_s=5.0)
     assert reporter.fields(105.0) is None  # nothing open, nothing moved
 

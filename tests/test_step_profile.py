@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tools.step_profile import attribute, family
+from phalanx.tools.step_profile import attribute, family
 
 # (start us, end us, name): a GEMV, a norm overlapping its tail (PDL), a GDN step that ends inside
 # the norm, an idle gap, then a second GEMV.

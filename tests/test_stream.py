@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from executor.events import FinishEvent
-from executor.stream import WAIT_SLICE_S, RequestStream
+from phalanx.engine.stream import WAIT_SLICE_S, RequestStream
+from phalanx.scheduler.events import FinishEvent
 
 
 class _Stopped(Exception):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from protocol import (
+from phalanx.protocol import (
     PROTOCOL_VERSION,
     Ack,
     Decode,
@@ -18,7 +18,7 @@ from protocol import (
     encode,
     pack_ids,
 )
-from protocol.trace import ALL_RANKS, MAGIC, Direction, TraceError, open_trace, read_trace
+from phalanx.protocol.trace import ALL_RANKS, MAGIC, Direction, TraceError, open_trace, read_trace
 
 EPOCH = 77
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from protocol import ProtocolError
-from protocol.transport import (
+from phalanx.protocol import ProtocolError
+from phalanx.protocol.transport import (
     CoordinatorSocket,
     Framer,
     RankSocket,

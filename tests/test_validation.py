@@ -6,18 +6,18 @@ import re
 
 import pytest
 
-from executor.collect import RankFailed, StepCollection
-from executor.errors import ExecutorPoisoned, ResponseError
-from executor.poison import Poison
-from executor.responses import (
+from phalanx.executor.collect import RankFailed, StepCollection
+from phalanx.executor.errors import ExecutorPoisoned, ResponseError
+from phalanx.executor.poison import Poison
+from phalanx.executor.responses import (
     validate_acks,
     validate_decode,
     validate_drop,
     validate_prefill,
     validate_unified,
 )
-from protocol import PROTOCOL_VERSION
-from protocol.messages import (
+from phalanx.protocol import PROTOCOL_VERSION
+from phalanx.protocol.messages import (
     Ack,
     DecodeDone,
     DropAck,

@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from models.qwen35 import PrefillBatch, Qwen35Model, WeightError
-from models.qwen35.layers import fold_norm_weight
+from phalanx.models.qwen35 import PrefillBatch, Qwen35Model, WeightError
+from phalanx.models.qwen35.layers import fold_norm_weight
 
 Tensors = dict[str, torch.Tensor]
 
@@ -215,7 +215,7 @@ def test_rank_slices(tiny_model_dir: Path, world_size: int) -> None:
 
 def test_rank_reads_only_its_slices(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every byte a TP=4 rank reads from the checkpoint ends up in its own weights."""
-    import models.qwen35.weights as weights
+    import phalanx.models.qwen35.weights as weights
 
     read_elements: dict[str, int] = {}
     real_safe_open = weights.safe_open

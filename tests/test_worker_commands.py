@@ -9,9 +9,9 @@ import msgspec
 import pytest
 import torch
 
-from models.qwen35 import PrefillBatch, Qwen35Model
-from protocol import PROTOCOL_VERSION, decode_reply, encode
-from protocol.messages import (
+from phalanx.models.qwen35 import PrefillBatch, Qwen35Model
+from phalanx.protocol import PROTOCOL_VERSION, decode_reply, encode
+from phalanx.protocol.messages import (
     FED_TOKEN,
     Ack,
     Decode,
@@ -32,11 +32,11 @@ from protocol.messages import (
     Unified,
     UnifiedDone,
 )
-from protocol.packing import pack_ids
-from protocol.transport import CoordinatorSocket, RankSocket, RuntimeDir
-from worker.commands import PendingDecode, StepRunner
-from worker.errors import WorkerStateError
-from worker.loop import EXIT_OK, EXIT_POISONED, CommandLoop
+from phalanx.protocol.packing import pack_ids
+from phalanx.protocol.transport import CoordinatorSocket, RankSocket, RuntimeDir
+from phalanx.worker.commands import PendingDecode, StepRunner
+from phalanx.worker.errors import WorkerStateError
+from phalanx.worker.loop import EXIT_OK, EXIT_POISONED, CommandLoop
 
 PAGE = 4
 MAX_SLOTS = 3

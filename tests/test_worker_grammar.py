@@ -9,13 +9,13 @@ import llguidance
 import pytest
 import torch
 
-from models.qwen35 import Qwen35Model
-from protocol.messages import DecodeRow, DropRequest, Expectation, PrefillChunk, SamplingParams
-from protocol.packing import pack_ids
-from server.detokenizer import TextTokenizer
-from worker.commands import StepRunner
-from worker.errors import WorkerStateError
-from worker.grammar import GrammarTable
+from phalanx.models.qwen35 import Qwen35Model
+from phalanx.protocol.messages import DecodeRow, DropRequest, Expectation, PrefillChunk, SamplingParams
+from phalanx.protocol.packing import pack_ids
+from phalanx.server.detokenizer import TextTokenizer
+from phalanx.worker.commands import StepRunner
+from phalanx.worker.errors import WorkerStateError
+from phalanx.worker.grammar import GrammarTable
 
 ANSWERS = ("yes", "no", "maybe")
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from worker.errors import WorkerStateError
-from worker.request_table import Phase, RequestTable
-from worker.slots import SlotTable
+from phalanx.worker.errors import WorkerStateError
+from phalanx.worker.request_table import Phase, RequestTable
+from phalanx.worker.slots import SlotTable
 
 
 def test_admit_checks_range_and_occupancy() -> None:

@@ -6,15 +6,27 @@ import argparse
 import importlib
 
 BENCHMARKS: dict[str, tuple[str, str]] = {
-    "decode": ("tools.bench_decode", "decode step time and prefill time on random weights"),
-    "engine": ("tools.bench_engine", "time per output token through the engine, pipelined decode or not"),
-    "serve": ("tools.bench_serve", "TTFT / TPOT / ITL against a running server"),
-    "roundtrip": ("tools.bench_roundtrip", "protocol round trip to every rank, no model work"),
-    "load": ("tools.bench_load", "peak memory of one rank loading its shard"),
-    "linear": ("tools.bench_linear", "decode linears: Triton skinny GEMV/GEMM vs cuBLAS, in CUDA graphs"),
-    "gdn": ("tools.bench_gdn", "GDN decode step per layer: fused kernel vs split path, in CUDA graphs"),
-    "host": ("tools.bench_host", "host (Python) time of one eager decode step, per op"),
-    "grammar": ("tools.bench_grammar", "structured output on rank 0: grammar masks per step vs a plain pick"),
+    "decode": ("phalanx.tools.bench_decode", "decode step time and prefill time on random weights"),
+    "engine": (
+        "phalanx.tools.bench_engine",
+        "time per output token through the engine, pipelined decode or not",
+    ),
+    "serve": ("phalanx.tools.bench_serve", "TTFT / TPOT / ITL against a running server"),
+    "roundtrip": ("phalanx.tools.bench_roundtrip", "protocol round trip to every rank, no model work"),
+    "load": ("phalanx.tools.bench_load", "peak memory of one rank loading its shard"),
+    "linear": (
+        "phalanx.tools.bench_linear",
+        "decode linears: Triton skinny GEMV/GEMM vs cuBLAS, in CUDA graphs",
+    ),
+    "gdn": (
+        "phalanx.tools.bench_gdn",
+        "GDN decode step per layer: fused kernel vs split path, in CUDA graphs",
+    ),
+    "host": ("phalanx.tools.bench_host", "host (Python) time of one eager decode step, per op"),
+    "grammar": (
+        "phalanx.tools.bench_grammar",
+        "structured output on rank 0: grammar masks per step vs a plain pick",
+    ),
 }
 
 

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from tools.bench_args import at_least, integer_at_least, tp_degrees
-from tools.geometries import GEOMETRIES, config_dict, random_tensor
-from tools.host_info import host_line
+from phalanx.tools.bench_args import at_least, integer_at_least, tp_degrees
+from phalanx.tools.geometries import GEOMETRIES, config_dict, random_tensor
+from phalanx.tools.host_info import host_line
 
 COPY_BANDWIDTH = 4.3e12  # bytes/s, device-to-device copy measured on the H200 (read + write)
 PAGE_SIZE = 64
@@ -95,7 +95,7 @@ def warmup_steps(text: str) -> int:
 def random_weights(config, device: torch.device, dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
     """Every tensor a TP = 1 rank loads, random, under the loader's keys, shapes and dtypes
     (specs fused into one tensor, such as gate|up, are concatenated in spec order, as it does)."""
-    from models.qwen35.sharding import RankLayout, tensor_specs
+    from phalanx.models.qwen35.sharding import RankLayout, tensor_specs
 
     gen = torch.Generator(device=device).manual_seed(seed)
     layout = RankLayout.build(config, 0, 1)
@@ -109,8 +109,8 @@ def build_random_model(
     geometry: str, device: torch.device, dtype: torch.dtype = torch.bfloat16, seed: int = 0
 ):
     """A ``Qwen35Model`` of the named geometry with random weights made on ``device``."""
-    from models.qwen35 import Qwen35Config, Qwen35Model
-    from models.qwen35.sharding import RankLayout
+    from phalanx.models.qwen35 import Qwen35Config, Qwen35Model
+    from phalanx.models.qwen35.sharding import RankLayout
 
     config = Qwen35Config.from_dicts(config_dict(geometry), source=f"geometry {geometry}")
     weights = random_weights(config, device, dtype, seed)
@@ -164,8 +164,8 @@ class Row:
 
 
 def decode_rows(model, batches: list[int], args: argparse.Namespace, device: torch.device) -> list[Row]:
-    from kernels.parallel_compile import parallel_compile
-    from models.qwen35 import DecodeBatch
+    from phalanx.kernels.parallel_compile import parallel_compile
+    from phalanx.models.qwen35 import DecodeBatch
 
     weight_bytes = weight_bytes_per_step(model)
     max_batch = max(batches)
@@ -201,15 +201,15 @@ def decode_rows(model, batches: list[int], args: argparse.Namespace, device: tor
 
 def kernel_settings() -> str:
     """The kernel switches a figure depends on (``PHALANX_PDL``, ``PHALANX_LINEAR``), printed with it."""
-    from kernels.launch import pdl_enabled
-    from kernels.ops import LINEAR_BACKEND
+    from phalanx.kernels.launch import pdl_enabled
+    from phalanx.kernels.ops import LINEAR_BACKEND
 
     return f"PDL {'on' if pdl_enabled() else 'off'}, linears {LINEAR_BACKEND}"
 
 
 def step_linears(model) -> list[str]:
     """The linears of one decode step in launch order, named as the profile's table names them."""
-    from models.qwen35.config import FULL_ATTENTION
+    from phalanx.models.qwen35.config import FULL_ATTENTION
 
     names = []
     for kind in model.config.layer_types:
@@ -221,13 +221,13 @@ def step_linears(model) -> list[str]:
 
 def print_profile(model, run: Callable[[], object], what: str) -> None:
     """Each kernel family's share of the step's critical path (``tools/step_profile.py``)."""
-    from tools.step_profile import profile_steps
+    from phalanx.tools.step_profile import profile_steps
 
     print(profile_steps(run, steps=3, labels=step_linears(model)).table(what), flush=True)
 
 
 def prefill_ms(model, length: int, device: torch.device) -> float:
-    from models.qwen35 import PrefillBatch
+    from phalanx.models.qwen35 import PrefillBatch
 
     pages = -(-length // PAGE_SIZE)
     model.allocate_cache(pages + 1, PAGE_SIZE, 1)
@@ -301,7 +301,7 @@ def _table(title: str, rows: list[Row], prefill: float, prefill_len: int) -> str
 
 
 def run(args: argparse.Namespace) -> int:
-    from tools.bench_decode_tp import multi_rank_requested, run_tp
+    from phalanx.tools.bench_decode_tp import multi_rank_requested, run_tp
 
     # --tp other than 1 alone, --device cpu or --json: spawned ranks (tools/bench_decode_tp.py).
     if multi_rank_requested(args):
@@ -334,8 +334,8 @@ def run(args: argparse.Namespace) -> int:
         )
     )
     if args.cuda_graph:
-        from tools.bench_decode_graph import graph_decode_rows, graph_table
-        from worker.buckets import bucket_for
+        from phalanx.tools.bench_decode_graph import graph_decode_rows, graph_table
+        from phalanx.worker.buckets import bucket_for
 
         graph_rows, sweep_s = graph_decode_rows(model, batches, args, device)
         print(

@@ -16,7 +16,7 @@ import statistics
 
 import torch
 
-from tools.bench_decode import (
+from phalanx.tools.bench_decode import (
     COPY_BANDWIDTH,
     PAGE_SIZE,
     Row,
@@ -32,11 +32,11 @@ def graph_decode_rows(
     """The serving graph path: the worker's graph runner, its whole pre-capture sweep (timed), then
     each step as a rank runs it (the rows staged in pinned memory, the bucket's graph replayed; its
     first kernel reads them) and the graph alone. Returns the rows and the sweep's seconds."""
-    from executor.precapture import run_precapture_sweep
-    from models.qwen35 import DecodeBatch
-    from protocol.messages import Capacity
-    from worker.buckets import state_slot_layout
-    from worker.graphs import build_graph_runner
+    from phalanx.executor.precapture import run_precapture_sweep
+    from phalanx.models.qwen35 import DecodeBatch
+    from phalanx.protocol.messages import Capacity
+    from phalanx.worker.buckets import state_slot_layout
+    from phalanx.worker.graphs import build_graph_runner
 
     weight_bytes = weight_bytes_per_step(model)
     max_batch = max(batches)
@@ -90,10 +90,10 @@ def pipelined_ms(
     enter as requests whose prompt is cached (``args.context`` tokens, as the other rows assume)."""
     import time
 
-    from protocol.messages import FED_TOKEN, DecodeRow
-    from protocol.packing import pack_ids
-    from worker.commands import StepRunner
-    from worker.request_table import Phase
+    from phalanx.protocol.messages import FED_TOKEN, DecodeRow
+    from phalanx.protocol.packing import pack_ids
+    from phalanx.worker.commands import StepRunner
+    from phalanx.worker.request_table import Phase
 
     step_runner = StepRunner(
         model, device, 0, capacity.page_size, capacity.kv_pages, capacity.max_slots, capacity.max_batch_tokens

@@ -32,7 +32,7 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from tools.bench_decode import (
+from phalanx.tools.bench_decode import (
     COPY_BANDWIDTH,
     PAGE_SIZE,
     cuda_time_ms,
@@ -40,7 +40,7 @@ from tools.bench_decode import (
     print_profile,
     weight_bytes_per_step,
 )
-from tools.geometries import config_dict, random_tensor
+from phalanx.tools.geometries import config_dict, random_tensor
 
 # NVLink multicast stays off in every rank (it can take a shared host's GPUs out of service).
 CHILD_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -64,7 +64,7 @@ def sharded_random_weights(config, layout, device: torch.device, dtype: torch.dt
     (on CUDA, identical GPUs give identical tensors), then only the rank's ranges are kept, and
     specs fused into one tensor are concatenated in spec order, as the loader does.
     """
-    from models.qwen35.sharding import tensor_specs
+    from phalanx.models.qwen35.sharding import tensor_specs
 
     parts: dict[str, list[torch.Tensor]] = {}
     for spec in tensor_specs(config, layout, include_lm_head=not config.tie_word_embeddings):
@@ -84,8 +84,8 @@ def build_sharded_model(
     geometry: str, rank: int, world_size: int, device: torch.device, dtype: torch.dtype, seed: int
 ):
     """Rank ``rank`` of ``world_size`` of the named geometry's random model."""
-    from models.qwen35 import Qwen35Config, Qwen35Model
-    from models.qwen35.sharding import RankLayout
+    from phalanx.models.qwen35 import Qwen35Config, Qwen35Model
+    from phalanx.models.qwen35.sharding import RankLayout
 
     config = Qwen35Config.from_dicts(config_dict(geometry), source=f"geometry {geometry}")
     layout = RankLayout.build(config, rank, world_size)
@@ -250,7 +250,7 @@ class RankRun:
 
 def bench_rank(rank: int, world_size: int, init_method: str, settings: BenchSettings, out_path: str) -> None:
     """One rank of one TP degree: build the shard, time eager (and graph) decode per batch size."""
-    from worker.buckets import state_slot_layout
+    from phalanx.worker.buckets import state_slot_layout
 
     if rank != 0:  # one rank's log lines tell the story; the others only warn
         structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
@@ -298,7 +298,7 @@ def bench_rank(rank: int, world_size: int, init_method: str, settings: BenchSett
 
 def _eager_rows(run: RankRun) -> tuple[list[dict[str, object]], torch.Tensor]:
     """Plain ``model.decode`` per batch size; also the logits of the very first step (fresh state)."""
-    from models.qwen35 import DecodeBatch
+    from phalanx.models.qwen35 import DecodeBatch
 
     rows, first_logits = [], None
     for batch in run.settings.batches:
@@ -318,10 +318,10 @@ def _eager_rows(run: RankRun) -> tuple[list[dict[str, object]], torch.Tensor]:
 
 def _graph_rows(run: RankRun) -> tuple[list[dict[str, object]], float]:
     """The serving graph path: the whole pre-capture sweep in lockstep, then bucketed replays."""
-    from executor.precapture import run_precapture_sweep
-    from models.qwen35 import DecodeBatch
-    from protocol.messages import Capacity
-    from worker.graphs import build_graph_runner
+    from phalanx.executor.precapture import run_precapture_sweep
+    from phalanx.models.qwen35 import DecodeBatch
+    from phalanx.protocol.messages import Capacity
+    from phalanx.worker.graphs import build_graph_runner
 
     capacity = Capacity(run.kv_pages, PAGE_SIZE, max(run.settings.batches), 1)
     runner = build_graph_runner(run.model, capacity, run.device, rank=run.rank, world_size=run.world_size)

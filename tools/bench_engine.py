@@ -36,10 +36,10 @@ from pathlib import Path
 
 import torch
 
-from tools.bench_args import at_least, milliseconds
-from tools.bench_decode import GEOMETRIES
-from tools.host_info import host_line
-from tools.random_checkpoint import write_random_checkpoint
+from phalanx.tools.bench_args import at_least, milliseconds
+from phalanx.tools.bench_decode import GEOMETRIES
+from phalanx.tools.host_info import host_line
+from phalanx.tools.random_checkpoint import write_random_checkpoint
 
 MODES = {"pipelined": True, "blocking": False}
 
@@ -78,7 +78,7 @@ class Row:
 
 
 async def _timed_tokens(stream) -> tuple[list[int], list[float]]:
-    from executor.engine import ErrorEvent, TokenEvent
+    from phalanx.engine.engine import ErrorEvent, TokenEvent
 
     tokens, times = [], []
     async for event in stream:
@@ -93,7 +93,7 @@ async def _timed_tokens(stream) -> tuple[list[int], list[float]]:
 async def _generate(
     engine, prompts: list[list[int]], output_len: int, arrival_s: float = 0.0
 ) -> list[tuple[list[int], list[float]]]:
-    from executor.engine import GenerationParams
+    from phalanx.engine.engine import GenerationParams
 
     params = GenerationParams(max_tokens=output_len, ignore_eos=True)
     timing = []
@@ -133,7 +133,7 @@ def _row(mode: str, batch: int, timed: list[tuple[list[int], list[float]]], stag
 
 
 def run(args: argparse.Namespace) -> int:
-    from executor.engine import Engine, EngineConfig
+    from phalanx.engine.engine import Engine, EngineConfig
 
     modes = [m for m in args.modes.split(",") if m]
     unknown = [m for m in modes if m not in MODES]

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tools.bench_args import at_least
-from tools.bench_decode import cuda_time_ms
+from phalanx.tools.bench_args import at_least
+from phalanx.tools.bench_decode import cuda_time_ms
 
 COPY_BANDWIDTH = 4.3e12  # bytes/s, device-to-device copy measured on the H200 (read + write)
 L2_FLUSH_BYTES = 256e6  # several times the H200's 60 MB L2
@@ -60,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _step_fn(path: str) -> Callable[..., torch.Tensor]:
-    from kernels import gdn_step_triton
+    from phalanx.kernels import gdn_step_triton
 
     return {
         "fused": gdn_step_triton.gdn_decode_step_fused,
@@ -156,8 +156,8 @@ def time_path(batch: int, path: str, args: argparse.Namespace, device: torch.dev
 
 
 def _tile(batch: int, path: str, args: argparse.Namespace) -> str:
-    from kernels import gdn_step_triton
-    from kernels.gdn_tiles import tuning_bucket
+    from phalanx.kernels import gdn_step_triton
+    from phalanx.kernels.gdn_tiles import tuning_bucket
 
     if path == "copy":
         return "torch copy_ of the state"

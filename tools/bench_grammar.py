@@ -25,12 +25,12 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from protocol.messages import SamplingParams
-from server.detokenizer import _BYTE_OF_CHAR as BYTE_OF_CHAR  # GPT-2's byte alphabet
-from server.structured import GrammarCheck, tool_call_grammar
-from tools.bench_args import at_least
-from worker.grammar import GrammarTable
-from worker.sampling import draw_tokens
+from phalanx.protocol.messages import SamplingParams
+from phalanx.server.detokenizer import _BYTE_OF_CHAR as BYTE_OF_CHAR  # GPT-2's byte alphabet
+from phalanx.server.structured import GrammarCheck, tool_call_grammar
+from phalanx.tools.bench_args import at_least
+from phalanx.worker.grammar import GrammarTable
+from phalanx.worker.sampling import draw_tokens
 
 TOOL = {
     "type": "function",

@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
-from kernels import bound, ops
-from tools.bench_args import at_least
-from tools.bench_decode import GEOMETRIES, PAGE_SIZE, build_random_model
-from tools.host_info import host_line
+from phalanx.kernels import bound, ops
+from phalanx.tools.bench_args import at_least
+from phalanx.tools.bench_decode import GEOMETRIES, PAGE_SIZE, build_random_model
+from phalanx.tools.host_info import host_line
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -88,7 +88,7 @@ def _sync(device: torch.device) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from models.qwen35 import DecodeBatch
+    from phalanx.models.qwen35 import DecodeBatch
 
     if args.device == "cuda" and not torch.cuda.is_available():
         print("phalanx bench host: needs a CUDA GPU (or --device cpu)")

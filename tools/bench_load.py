@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tools.bench_args import at_least
+from phalanx.tools.bench_args import at_least
 
 GIB = 1024**3
 MIB = 1024**2
@@ -86,8 +86,8 @@ def _bench(model_dir: Path, args: argparse.Namespace) -> int:
 
 
 def _layer_tensors(config: dict, index: int) -> dict[str, tuple[int, ...]]:
-    from models.qwen35.config import Qwen35Config
-    from models.qwen35.sharding import RankLayout, tensor_specs
+    from phalanx.models.qwen35.config import Qwen35Config
+    from phalanx.models.qwen35.sharding import RankLayout, tensor_specs
 
     parsed = Qwen35Config.from_dicts(config)
     specs = tensor_specs(parsed, RankLayout.build(parsed, 0, 1), include_lm_head=True)
@@ -145,8 +145,8 @@ def write_synthetic_checkpoint(model_dir: Path, target_bytes: int) -> int:
 _CHILD = """
 import json, math, sys, time
 import torch
-from models.qwen35 import Qwen35Model
-from models.qwen35.sharding import tensor_specs
+from phalanx.models.qwen35 import Qwen35Model
+from phalanx.models.qwen35.sharding import tensor_specs
 
 def status(key):
     for line in open("/proc/self/status"):

@@ -17,12 +17,12 @@ import statistics
 import sys
 import time
 
-from executor.collect import StepCollection
-from executor.link import RankLink
-from executor.ranks import RankHandle
-from executor.responses import validate_decode
-from protocol import PROTOCOL_VERSION, decode_envelope, encode
-from protocol.messages import (
+from phalanx.executor.collect import StepCollection
+from phalanx.executor.link import RankLink
+from phalanx.executor.ranks import RankHandle
+from phalanx.executor.responses import validate_decode
+from phalanx.protocol import PROTOCOL_VERSION, decode_envelope, encode
+from phalanx.protocol.messages import (
     Ack,
     Capacity,
     Decode,
@@ -34,9 +34,9 @@ from protocol.messages import (
     Shutdown,
     TokenResult,
 )
-from protocol.packing import pack_ids
-from protocol.transport import CoordinatorSocket, RankSocket, RuntimeDir, tcp_address
-from tools.bench_args import at_least, tp_degrees
+from phalanx.protocol.packing import pack_ids
+from phalanx.protocol.transport import CoordinatorSocket, RankSocket, RuntimeDir, tcp_address
+from phalanx.tools.bench_args import at_least, tp_degrees
 
 EPOCH = 1
 

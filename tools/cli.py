@@ -14,18 +14,21 @@ import argparse
 import importlib
 import sys
 
-from tools.cli_help import ArgumentParser, version_text
-from tools.stop_signals import StopSignal, stop_signals_raise
+from phalanx.tools.cli_help import ArgumentParser, version_text
+from phalanx.tools.stop_signals import StopSignal, stop_signals_raise
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("tools.serve", "OpenAI-compatible server (the embedded tiny demo model by default)"),
-    "generate": ("tools.generate", "generate a completion for one prompt"),
-    "worker": ("tools.worker", "run one rank (for torchrun / SLURM launches)"),
-    "replay": ("tools.replay", "show, summarise, re-run or diff a recorded protocol trace"),
-    "bench": ("tools.bench", "benchmarks: decode, serve, round trip, sharded load"),
-    "eval-mc": ("tools.eval_mc", "multiple-choice accuracy over the chat completions API"),
-    "make-tiny-model": ("tools.make_tiny_model", "write a tiny random Qwen3.5 checkpoint"),
-    "make-random-model": ("tools.random_checkpoint", "write a random Qwen3.5 checkpoint of a real size"),
+    "serve": ("phalanx.tools.serve", "OpenAI-compatible server (the embedded tiny demo model by default)"),
+    "generate": ("phalanx.tools.generate", "generate a completion for one prompt"),
+    "worker": ("phalanx.tools.worker", "run one rank (for torchrun / SLURM launches)"),
+    "replay": ("phalanx.tools.replay", "show, summarise, re-run or diff a recorded protocol trace"),
+    "bench": ("phalanx.tools.bench", "benchmarks: decode, serve, round trip, sharded load"),
+    "eval-mc": ("phalanx.tools.eval_mc", "multiple-choice accuracy over the chat completions API"),
+    "make-tiny-model": ("phalanx.tools.make_tiny_model", "write a tiny random Qwen3.5 checkpoint"),
+    "make-random-model": (
+        "phalanx.tools.random_checkpoint",
+        "write a random Qwen3.5 checkpoint of a real size",
+    ),
 }
 
 

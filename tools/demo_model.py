@@ -30,7 +30,7 @@ def demo_model_dir() -> Path:
     target = cache_root() / DEMO_NAME
     if (target / "config.json").is_file() and (target / "tokenizer.json").is_file():
         return target
-    from models.tiny import build_tiny_model
+    from phalanx.models.tiny import build_tiny_model
 
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{DEMO_NAME}-", dir=target.parent))

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import httpx
 
-from tools.evalmc.client import ChatSettings
-from tools.evalmc.data import DatasetError, load_paths, stratified_sample
-from tools.evalmc.recipes import RECIPES, build_prompts
-from tools.evalmc.rerun import RerunError, rerun_truncated
-from tools.evalmc.runner import RunFiles, run_benchmark
+from phalanx.tools.evalmc.client import ChatSettings
+from phalanx.tools.evalmc.data import DatasetError, load_paths, stratified_sample
+from phalanx.tools.evalmc.recipes import RECIPES, build_prompts
+from phalanx.tools.evalmc.rerun import RerunError, rerun_truncated
+from phalanx.tools.evalmc.runner import RunFiles, run_benchmark
 
 EXIT_INCOMPLETE = 2
 

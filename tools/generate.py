@@ -14,11 +14,11 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from executor.engine import Engine, EngineConfig, ErrorEvent, FinishEvent, GenerationParams, TokenEvent
-from executor.errors import ExecutorError
-from executor.logs import configure_logging
-from executor.model_info import read_model_info
-from tools.launch_options import (
+from phalanx.engine.engine import Engine, EngineConfig, ErrorEvent, FinishEvent, GenerationParams, TokenEvent
+from phalanx.executor.errors import ExecutorError
+from phalanx.executor.logs import configure_logging
+from phalanx.executor.model_info import read_model_info
+from phalanx.tools.launch_options import (
     add_launch_arguments,
     add_log_arguments,
     add_model_arguments,
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, args.log_format)
     if args.model is None:
-        from tools.demo_model import demo_model_dir
+        from phalanx.tools.demo_model import demo_model_dir
 
         model_dir = demo_model_dir()
     else:

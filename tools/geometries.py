@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from models.tiny import TINY_GEOMETRY
+from phalanx.models.tiny import TINY_GEOMETRY
 
 # What every released size shares (shared/reference/qwen35-model.md); each size adds its own widths.
 _FAMILY: dict[str, object] = dict(

@@ -13,8 +13,8 @@ from urllib.parse import urlsplit
 
 import structlog
 
-from executor.model_info import ModelInfoError, read_model_info
-from protocol.logs import LOG_FORMATS, LOG_LEVELS
+from phalanx.executor.model_info import ModelInfoError, read_model_info
+from phalanx.protocol.logs import LOG_FORMATS, LOG_LEVELS
 
 log = structlog.get_logger("phalanx.launch")
 T = TypeVar("T", int, float)

@@ -20,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from models.tiny import build_tiny_model
+    from phalanx.models.tiny import build_tiny_model
 
     try:
         out = build_tiny_model(args.dir, tied=args.tied, seed=args.seed)

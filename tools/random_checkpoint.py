@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from tools.geometries import GEOMETRIES, ROPE, random_tensor
+from phalanx.tools.geometries import GEOMETRIES, ROPE, random_tensor
 
 TEXT_PREFIX = "model.language_model."
 # Not part of the text model: the loader must skip them.
@@ -90,10 +90,10 @@ def write_random_checkpoint(
     """Write config, generation config, weights and tokenizer; returns the text weights' bytes."""
     from safetensors.torch import save_file
 
-    from models.qwen35 import Qwen35Config
-    from models.qwen35.sharding import RankLayout, tensor_specs
-    from models.qwen35.weights import TOP_LEVEL
-    from models.tiny import _write_tokenizer
+    from phalanx.models.qwen35 import Qwen35Config
+    from phalanx.models.qwen35.sharding import RankLayout, tensor_specs
+    from phalanx.models.qwen35.weights import TOP_LEVEL
+    from phalanx.models.tiny import _write_tokenizer
 
     raw = released_config(geometry, layers)
     config = Qwen35Config.from_dicts(raw, source=f"geometry {geometry}")

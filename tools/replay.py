@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import msgspec
 import numpy as np
 
-from protocol.messages import (
+from phalanx.protocol.messages import (
     FED_TOKEN,
     NO_FEED,
     Cancel,
@@ -38,8 +38,8 @@ from protocol.messages import (
     Unified,
     UnifiedDone,
 )
-from protocol.packing import unpack_ids
-from protocol.trace import ALL_RANKS, Direction, Entry, Trace, TraceError, read_trace
+from phalanx.protocol.packing import unpack_ids
+from phalanx.protocol.trace import ALL_RANKS, Direction, Entry, Trace, TraceError, read_trace
 
 MAX_ITEMS = 8  # items shown per line before "+N more"
 
@@ -337,7 +337,7 @@ def run(args: argparse.Namespace) -> int:
             print("\n".join(lines) if lines else "the traces agree")
             return 1 if lines else 0
         else:
-            from tools.replay_run import replay_against_fresh_ranks
+            from phalanx.tools.replay_run import replay_against_fresh_ranks
 
             return replay_against_fresh_ranks(args)
     except (TraceError, OSError) as exc:

@@ -15,11 +15,11 @@ import argparse
 import math
 from dataclasses import dataclass
 
-from executor.errors import ExecutorError
-from executor.gate import FIRST_PING_SEQ
-from executor.launcher import ExecutorConfig, launch_executor
-from executor.runtime import Executor
-from protocol.messages import (
+from phalanx.executor.errors import ExecutorError
+from phalanx.executor.gate import FIRST_PING_SEQ
+from phalanx.executor.launcher import ExecutorConfig, launch_executor
+from phalanx.executor.runtime import Executor
+from phalanx.protocol.messages import (
     Capacity,
     Decode,
     DecodeDone,
@@ -35,8 +35,8 @@ from protocol.messages import (
     Unified,
     UnifiedDone,
 )
-from protocol.trace import Direction, Trace, read_trace
-from tools.replay import Step, describe_body, steps
+from phalanx.protocol.trace import Direction, Trace, read_trace
+from phalanx.tools.replay import Step, describe_body, steps
 
 LOGPROB_TOLERANCE = 1e-4
 

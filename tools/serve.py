@@ -27,9 +27,9 @@ from typing import Any
 import structlog
 from setproctitle import setproctitle
 
-from executor.errors import ExecutorError
-from server.body_limit import DEFAULT_MAX_BODY_BYTES
-from tools.launch_options import (
+from phalanx.executor.errors import ExecutorError
+from phalanx.server.body_limit import DEFAULT_MAX_BODY_BYTES
+from phalanx.tools.launch_options import (
     LaunchChoice,
     add_launch_arguments,
     add_log_arguments,
@@ -41,7 +41,7 @@ from tools.launch_options import (
     model_dir_problem,
     positive_int,
 )
-from tools.stop_signals import StopSignal
+from phalanx.tools.stop_signals import StopSignal
 
 log = structlog.get_logger("phalanx.serve")
 
@@ -148,7 +148,7 @@ def _listen(host: str, port: int) -> socket.socket:
 def _model_and_name(args: argparse.Namespace) -> tuple[Path, str]:
     """The model directory and served name: the demo's unless ``--model`` is given."""
     if args.model is None:
-        from tools.demo_model import demo_model_dir
+        from phalanx.tools.demo_model import demo_model_dir
 
         return demo_model_dir(), args.served_model_name or "tiny-demo"
     return args.model, args.served_model_name or args.model.name
@@ -163,7 +163,7 @@ def _tp(args: argparse.Namespace, choice: LaunchChoice) -> int:
 
 def _model_problem(model_dir: Path, chat_template: str | None) -> str | None:
     """What keeps the model from being served, checked before any rank starts (None: nothing)."""
-    from server.chat_template import ChatTemplate, ChatTemplateError
+    from phalanx.server.chat_template import ChatTemplate, ChatTemplateError
 
     problem = model_dir_problem(model_dir)
     if problem is None and chat_template is not None:
@@ -175,8 +175,8 @@ def _model_problem(model_dir: Path, chat_template: str | None) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from executor.engine import Engine, EngineConfig
-    from executor.logs import configure_logging
+    from phalanx.engine.engine import Engine, EngineConfig
+    from phalanx.executor.logs import configure_logging
 
     configure_logging(args.log_level, args.log_format)
     model_dir, name = _model_and_name(args)
@@ -262,8 +262,8 @@ def _serve(
 ) -> None:
     import uvicorn
 
-    from server.app import create_app
-    from server.stats_log import StatsLog
+    from phalanx.server.app import create_app
+    from phalanx.server.stats_log import StatsLog
 
     app = create_app(
         engine,

@@ -16,7 +16,12 @@ import os
 import signal
 import sys
 
-from tools.launch_options import DEVICE_HELP, add_log_arguments, add_max_slots_argument, memory_fraction
+from phalanx.tools.launch_options import (
+    DEVICE_HELP,
+    add_log_arguments,
+    add_max_slots_argument,
+    memory_fraction,
+)
 
 
 def _env_int(*names: str, default: int | None = None) -> int:
@@ -64,9 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from protocol.auth import key_from_secret, shared_secret_from_env
-    from worker.config import WorkerConfig, WorkerLimits
-    from worker.main import run_worker
+    from phalanx.protocol.auth import key_from_secret, shared_secret_from_env
+    from phalanx.protocol.launch import WorkerConfig, WorkerLimits
+    from phalanx.worker.main import run_worker
 
     # A rank started by torchrun or SLURM dies of SIGTERM, as those launchers expect (they follow
     # it with SIGKILL): unwinding one mid-collective could hang its exit.

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from protocol.buckets import DECODE_BUCKETS, MAX_GRAPH_BATCH, bucket_for, buckets_up_to
+from phalanx.protocol.buckets import DECODE_BUCKETS, MAX_GRAPH_BATCH, bucket_for, buckets_up_to
 
 __all__ = [
     "DECODE_BUCKETS",

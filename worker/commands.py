@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.host_staging_triton import feed_tokens
-from models.qwen35 import DecodeBatch, PrefillBatch
-from protocol.messages import (
+from phalanx.kernels.host_staging_triton import feed_tokens
+from phalanx.models.qwen35 import DecodeBatch, PrefillBatch
+from phalanx.protocol.messages import (
     FED_TOKEN,
     NO_FEED,
     DecodeDone,
@@ -34,15 +34,15 @@ from protocol.messages import (
     TokenResult,
     UnifiedDone,
 )
-from protocol.packing import unpack_list
-from worker.errors import WorkerStateError
-from worker.faults import fault_point
-from worker.grammar import GrammarTable
-from worker.graphs import DecodeGraphRunner
-from worker.prompt_scoring import PromptScoring
-from worker.request_table import Phase, RequestState, RequestTable
-from worker.sampling import DrawnTokens, draw_tokens
-from worker.slots import SlotTable
+from phalanx.protocol.packing import unpack_list
+from phalanx.worker.errors import WorkerStateError
+from phalanx.worker.faults import fault_point
+from phalanx.worker.grammar import GrammarTable
+from phalanx.worker.graphs import DecodeGraphRunner
+from phalanx.worker.prompt_scoring import PromptScoring
+from phalanx.worker.request_table import Phase, RequestState, RequestTable
+from phalanx.worker.sampling import DrawnTokens, draw_tokens
+from phalanx.worker.slots import SlotTable
 
 
 @dataclass

@@ -78,7 +78,7 @@ def spawn_main(config_json: bytes) -> None:
     them); a rank that died of the signal first would turn an orderly stop into a dead-rank failure.
     For the same reason it outlives a SIGTERM by ``SIGTERM_GRACE_S``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from worker.config import decode_config
+    from phalanx.protocol.launch import decode_config
 
     config = decode_config(config_json)
     _leave_after_sigterm(SIGTERM_GRACE_S, config.rank)
@@ -86,7 +86,7 @@ def spawn_main(config_json: bytes) -> None:
         target=_exit_when_orphaned, args=(os.getppid(), config.coordinator), daemon=True
     )
     orphan_watch.start()
-    from worker.main import run_worker
+    from phalanx.worker.main import run_worker
 
     code = run_worker(config)
     _deliver_last_frames()

@@ -48,8 +48,8 @@ from typing import Any
 
 import msgspec
 
-from protocol import PROTOCOL_VERSION, ProtocolError, decode_envelope, decode_reply, encode
-from protocol.messages import (
+from phalanx.protocol import PROTOCOL_VERSION, ProtocolError, decode_envelope, decode_reply, encode
+from phalanx.protocol.messages import (
     Ack,
     Cancel,
     Challenge,

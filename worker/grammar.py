@@ -16,7 +16,7 @@ import llguidance
 import numpy as np
 import torch
 
-from worker.errors import WorkerStateError
+from phalanx.worker.errors import WorkerStateError
 
 
 class GrammarTable:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kernels.host_staging_triton import (
+from phalanx.kernels.host_staging_triton import (
     HEADER_ACK,
     HEADER_COLUMNS,
     HEADER_SEQ,
@@ -38,8 +38,8 @@ from kernels.host_staging_triton import (
     feed_tokens,
     load_staged_triton,
 )
-from models.qwen35 import DecodeBatch
-from worker.errors import WorkerStateError
+from phalanx.models.qwen35 import DecodeBatch
+from phalanx.worker.errors import WorkerStateError
 
 # Page-table views kept for reuse, one per (bucket, width) seen; widths grow a page at a time.
 TABLE_VIEWS_KEPT = 256

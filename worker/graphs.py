@@ -37,15 +37,24 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from kernels import ops
-from kernels.parallel_compile import parallel_compile
-from models.qwen35 import DecodeBatch
-from protocol.messages import Ack, Capacity, Capture, Finalize, Launch, Precapture, PrecapturePhase, Warmup
-from worker.buckets import bucket_for, buckets_up_to, state_slot_layout
-from worker.config import ranks_on_this_host
-from worker.errors import WorkerStateError
-from worker.faults import fault_point
-from worker.graph_inputs import DecodeInputs, LandedTokens
+from phalanx.kernels import ops
+from phalanx.kernels.parallel_compile import parallel_compile
+from phalanx.models.qwen35 import DecodeBatch
+from phalanx.protocol.messages import (
+    Ack,
+    Capacity,
+    Capture,
+    Finalize,
+    Launch,
+    Precapture,
+    PrecapturePhase,
+    Warmup,
+)
+from phalanx.worker.buckets import bucket_for, buckets_up_to, state_slot_layout
+from phalanx.worker.cores import ranks_on_this_host
+from phalanx.worker.errors import WorkerStateError
+from phalanx.worker.faults import fault_point
+from phalanx.worker.graph_inputs import DecodeInputs, LandedTokens
 
 log = structlog.get_logger("phalanx.graphs")
 

@@ -24,9 +24,9 @@ import structlog
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from protocol import PROTOCOL_VERSION, encode
-from protocol.messages import Heartbeat, ReplyEnvelope
-from protocol.transport import Framer, RankSocket, connection_identity
+from phalanx.protocol import PROTOCOL_VERSION, encode
+from phalanx.protocol.messages import Heartbeat, ReplyEnvelope
+from phalanx.protocol.transport import Framer, RankSocket, connection_identity
 
 log = structlog.get_logger("phalanx.worker")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import structlog
 
-from protocol.logs import configure_logging as _configure
+from phalanx.protocol.logs import configure_logging as _configure
 
 
 def configure_logging(rank: int, epoch: int, level: str = "info", log_format: str = "console") -> None:

@@ -22,9 +22,9 @@ from typing import Any
 
 import structlog
 
-from protocol import PROTOCOL_VERSION, ProtocolError, decode_envelope, encode
-from protocol.codec import envelope_header
-from protocol.messages import (
+from phalanx.protocol import PROTOCOL_VERSION, ProtocolError, decode_envelope, encode
+from phalanx.protocol.codec import envelope_header
+from phalanx.protocol.messages import (
     Ack,
     Cancel,
     Decode,
@@ -40,12 +40,12 @@ from protocol.messages import (
     Shutdown,
     Unified,
 )
-from protocol.rejections import RejectionLog
-from protocol.transport import RankSocket
-from worker.commands import PendingStep, StepRunner
-from worker.errors import WorkerStateError
-from worker.faults import fault_point
-from worker.logs import bind_seq
+from phalanx.protocol.rejections import RejectionLog
+from phalanx.protocol.transport import RankSocket
+from phalanx.worker.commands import PendingStep, StepRunner
+from phalanx.worker.errors import WorkerStateError
+from phalanx.worker.faults import fault_point
+from phalanx.worker.logs import bind_seq
 
 log = structlog.get_logger("phalanx.worker")
 

@@ -21,9 +21,10 @@ import torch
 from setproctitle import setproctitle
 from tqdm import tqdm
 
-from protocol import PROTOCOL_VERSION, ProtocolError, decode_envelope, encode
-from protocol.auth import SECRET_ENV, rank_authenticator
-from protocol.messages import (
+from phalanx.protocol import PROTOCOL_VERSION, ProtocolError, decode_envelope, encode
+from phalanx.protocol.auth import SECRET_ENV, rank_authenticator
+from phalanx.protocol.launch import WorkerConfig
+from phalanx.protocol.messages import (
     Cancel,
     Capacity,
     Challenge,
@@ -34,19 +35,19 @@ from protocol.messages import (
     Ready,
     ReplyEnvelope,
 )
-from protocol.transport import RankSocket, connection_identity
-from worker.buckets import MAX_GRAPH_BATCH, bucket_for, state_slot_layout
-from worker.capacity import GIB, CapacityError, memory_line, size_capacity
-from worker.commands import StepRunner
-from worker.config import WorkerConfig, ranks_on_this_host
-from worker.faults import fault_point, wrap_socket
-from worker.grammar import GrammarTable
-from worker.graphs import build_graph_runner, precapture_handler
-from worker.heartbeat import HeartbeatThread
-from worker.logs import bind_epoch, configure_logging
-from worker.loop import EXIT_OK, EXIT_POISONED, CommandLoop
-from worker.memory_profile import measure_activations
-from worker.watchdog import Watchdog
+from phalanx.protocol.transport import RankSocket, connection_identity
+from phalanx.worker.buckets import MAX_GRAPH_BATCH, bucket_for, state_slot_layout
+from phalanx.worker.capacity import GIB, CapacityError, memory_line, size_capacity
+from phalanx.worker.commands import StepRunner
+from phalanx.worker.cores import ranks_on_this_host
+from phalanx.worker.faults import fault_point, wrap_socket
+from phalanx.worker.grammar import GrammarTable
+from phalanx.worker.graphs import build_graph_runner, precapture_handler
+from phalanx.worker.heartbeat import HeartbeatThread
+from phalanx.worker.logs import bind_epoch, configure_logging
+from phalanx.worker.loop import EXIT_OK, EXIT_POISONED, CommandLoop
+from phalanx.worker.memory_profile import measure_activations
+from phalanx.worker.watchdog import Watchdog
 
 log = structlog.get_logger("phalanx.worker")
 
@@ -144,7 +145,7 @@ def _init_distributed(config: WorkerConfig, go: Go, device: torch.device) -> Non
 
 def _startup(sock: RankSocket, config: WorkerConfig) -> tuple[StepRunner, int] | int:
     """Returns (runner, epoch) when serving may start, or an exit code."""
-    from models.qwen35 import Qwen35Model
+    from phalanx.models.qwen35 import Qwen35Model
 
     phase = "startup:handshake"
     epoch = config.epoch

@@ -29,7 +29,7 @@ class ActivationProfile:
 def measure_activations(
     model, device: torch.device, max_batch_tokens: int, decode_rows: int
 ) -> ActivationProfile:
-    from models.qwen35.batch import DecodeBatch, PrefillBatch
+    from phalanx.models.qwen35.batch import DecodeBatch, PrefillBatch
 
     page_size = 16
     tokens = min(max_batch_tokens, model.config.max_position_embeddings)

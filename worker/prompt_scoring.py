@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from models.qwen35.parallel import TokenScores
-from protocol.messages import NO_TOKEN, PrefillChunk, PromptLogprobs
-from worker.errors import WorkerStateError
+from phalanx.models.qwen35.parallel import TokenScores
+from phalanx.protocol.messages import NO_TOKEN, PrefillChunk, PromptLogprobs
+from phalanx.worker.errors import WorkerStateError
 
 MAX_PROMPT_TOP_LOGPROBS = 20
 

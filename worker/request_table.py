@@ -12,7 +12,7 @@ import enum
 import heapq
 from dataclasses import dataclass
 
-from worker.errors import WorkerStateError
+from phalanx.worker.errors import WorkerStateError
 
 
 class Phase(enum.Enum):

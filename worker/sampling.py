@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from protocol.messages import GREEDY_BELOW, SamplingParams
+from phalanx.protocol.messages import GREEDY_BELOW, SamplingParams
 
 if TYPE_CHECKING:
-    from worker.graph_inputs import LandedTokens
+    from phalanx.worker.graph_inputs import LandedTokens
 
 
 class Sample(NamedTuple):

@@ -7,7 +7,7 @@ last slot moves into the hole, and the move names both sides so each can be chec
 
 from __future__ import annotations
 
-from worker.errors import WorkerStateError
+from phalanx.worker.errors import WorkerStateError
 
 
 class SlotTable:

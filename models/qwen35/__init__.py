@@ -1,8 +1,8 @@
 """Qwen3.5 (Gated DeltaNet + gated full attention) behind the interface the worker calls."""
 
-from models.qwen35.batch import DecodeBatch, PrefillBatch
-from models.qwen35.config import ConfigError, Qwen35Config
-from models.qwen35.model import Qwen35Model
-from models.qwen35.weights import WeightError
+from phalanx.models.qwen35.batch import DecodeBatch, PrefillBatch
+from phalanx.models.qwen35.config import ConfigError, Qwen35Config
+from phalanx.models.qwen35.model import Qwen35Model
+from phalanx.models.qwen35.weights import WeightError
 
 __all__ = ["ConfigError", "DecodeBatch", "PrefillBatch", "Qwen35Config", "Qwen35Model", "WeightError"]

@@ -18,16 +18,16 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import ops
-from kernels.bound import (
+from phalanx.kernels import ops
+from phalanx.kernels.bound import (
     BoundDecodeAttention,
     BoundGdnDecodeStep,
     BoundNormRopeWriteKv,
     BoundPreNormedLinear,
 )
-from models.qwen35.config import FULL_ATTENTION, Qwen35Config
-from models.qwen35.parallel import RowParallelLinear, TensorParallel
-from models.qwen35.sharding import RankLayout
+from phalanx.models.qwen35.config import FULL_ATTENTION, Qwen35Config
+from phalanx.models.qwen35.parallel import RowParallelLinear, TensorParallel
+from phalanx.models.qwen35.sharding import RankLayout
 
 Weights = dict[str, torch.Tensor]
 

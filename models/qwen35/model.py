@@ -8,13 +8,18 @@ from pathlib import Path
 import structlog
 import torch
 
-from kernels import ops
-from models.qwen35.batch import DecodeBatch, PrefillBatch
-from models.qwen35.config import Qwen35Config
-from models.qwen35.layers import DecoderLayer, StepContext
-from models.qwen35.parallel import TensorParallel, TokenScores, VocabParallelEmbedding, VocabParallelHead
-from models.qwen35.sharding import RankLayout, tensor_specs
-from models.qwen35.weights import Checkpoint, check_tensors, read_slices
+from phalanx.kernels import ops
+from phalanx.models.qwen35.batch import DecodeBatch, PrefillBatch
+from phalanx.models.qwen35.config import Qwen35Config
+from phalanx.models.qwen35.layers import DecoderLayer, StepContext
+from phalanx.models.qwen35.parallel import (
+    TensorParallel,
+    TokenScores,
+    VocabParallelEmbedding,
+    VocabParallelHead,
+)
+from phalanx.models.qwen35.sharding import RankLayout, tensor_specs
+from phalanx.models.qwen35.weights import Checkpoint, check_tensors, read_slices
 
 log = structlog.get_logger(__name__)
 

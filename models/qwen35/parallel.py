@@ -12,9 +12,9 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from kernels import ops
-from kernels.bound import BoundLinear
-from models.qwen35.one_shot import OneShotAllReduce, try_one_shot
+from phalanx.kernels import ops
+from phalanx.kernels.bound import BoundLinear
+from phalanx.models.qwen35.one_shot import OneShotAllReduce, try_one_shot
 
 
 class TensorParallel:

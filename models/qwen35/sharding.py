@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from models.qwen35.config import FULL_ATTENTION, Qwen35Config
+from phalanx.models.qwen35.config import FULL_ATTENTION, Qwen35Config
 
 Range = tuple[int, int]
 

@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from models.qwen35.sharding import TensorSpec
+from phalanx.models.qwen35.sharding import TensorSpec
 
 log = structlog.get_logger(__name__)
 

@@ -11,7 +11,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tools.evalmc.data import Item
+from phalanx.tools.evalmc.data import Item
 
 SHOTS = 5
 

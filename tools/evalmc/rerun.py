@@ -13,16 +13,16 @@ from typing import Any
 
 import structlog
 
-from tools.evalmc.checkpoint import (
+from phalanx.tools.evalmc.checkpoint import (
     Checkpoint,
     fingerprint,
     fingerprint_matches,
     repair_jsonl_tail,
     write_json_atomic,
 )
-from tools.evalmc.client import ChatSettings
-from tools.evalmc.data import Item
-from tools.evalmc.runner import RunFiles, ask_all, recover, summarise
+from phalanx.tools.evalmc.client import ChatSettings
+from phalanx.tools.evalmc.data import Item
+from phalanx.tools.evalmc.runner import RunFiles, ask_all, recover, summarise
 
 log = structlog.get_logger("eval_mc")
 

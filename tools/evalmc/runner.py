@@ -18,16 +18,16 @@ import httpx
 import structlog
 from tqdm import tqdm
 
-from tools.evalmc.checkpoint import (
+from phalanx.tools.evalmc.checkpoint import (
     Checkpoint,
     fingerprint,
     fingerprint_matches,
     repair_jsonl_tail,
     write_json_atomic,
 )
-from tools.evalmc.client import ChatResult, ChatSettings, chat
-from tools.evalmc.data import Item
-from tools.evalmc.extract import extract_answer
+from phalanx.tools.evalmc.client import ChatResult, ChatSettings, chat
+from phalanx.tools.evalmc.data import Item
+from phalanx.tools.evalmc.extract import extract_answer
 
 log = structlog.get_logger("eval_mc")
 

@@ -41,20 +41,7 @@ from typing import Any, cast
 import msgspec
 import structlog
 
-from executor.events import Event, FinishEvent, FinishReason, TokenEvent
-from executor.pages import PagePool, pages_for_tokens
-from executor.requests import Phase, Request
-from executor.slots import DenseSlots
-from executor.step_contract import (
-    PIPELINE_CALLS,
-    ArtifactError,
-    PipelinedExecutor,
-    StepExecutor,
-    align_results,
-    prompt_logprob_events,
-    token_event,
-)
-from protocol.messages import (
+from phalanx.protocol.messages import (
     FED_TOKEN,
     NO_TOKEN,
     DecodeRow,
@@ -63,7 +50,20 @@ from protocol.messages import (
     PromptLogprobs,
     TokenResult,
 )
-from protocol.packing import pack_ids
+from phalanx.protocol.packing import pack_ids
+from phalanx.scheduler.events import Event, FinishEvent, FinishReason, TokenEvent
+from phalanx.scheduler.pages import PagePool, pages_for_tokens
+from phalanx.scheduler.requests import Phase, Request
+from phalanx.scheduler.slots import DenseSlots
+from phalanx.scheduler.step_contract import (
+    PIPELINE_CALLS,
+    ArtifactError,
+    PipelinedExecutor,
+    StepExecutor,
+    align_results,
+    prompt_logprob_events,
+    token_event,
+)
 
 log = structlog.get_logger("phalanx.scheduler")
 

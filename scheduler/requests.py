@@ -10,8 +10,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from executor.events import Event
-from protocol.messages import (
+from phalanx.protocol.messages import (
     GREEDY_BELOW,
     INT32_MAX,
     INT64_MAX,
@@ -20,6 +19,7 @@ from protocol.messages import (
     MAX_TEMPERATURE,
     SamplingParams,
 )
+from phalanx.scheduler.events import Event
 
 
 def _is_int(value: object) -> bool:

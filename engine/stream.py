@@ -15,7 +15,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from executor.events import Event, is_final
+from phalanx.scheduler.events import Event, is_final
 
 # A sync reader waits in slices this long. A signal (Ctrl-C, SIGTERM) that the kernel hands to
 # another thread does not interrupt a lock's wait in the main thread, and Python runs the

@@ -9,8 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from executor.events import PromptLogprobsEvent, TokenEvent
-from protocol.messages import (
+from phalanx.protocol.messages import (
     NO_TOKEN,
     Capacity,
     DecodeDone,
@@ -23,6 +22,7 @@ from protocol.messages import (
     TokenResult,
     UnifiedDone,
 )
+from phalanx.scheduler.events import PromptLogprobsEvent, TokenEvent
 
 
 class StepExecutor(Protocol):

@@ -22,12 +22,12 @@ from typing import Any, Protocol
 
 import structlog
 
-from executor.errors import ExecutorPoisoned
-from executor.events import ErrorEvent, Event, FinishEvent, TokenEvent
-from executor.requests import GenerationParams, Request, RequestIds
-from executor.scheduler import Scheduler, SchedulerStats
-from executor.step_contract import StepExecutor
-from executor.stream import RequestStream
+from phalanx.engine.stream import RequestStream
+from phalanx.executor.errors import ExecutorPoisoned
+from phalanx.scheduler.events import ErrorEvent, Event, FinishEvent, PromptLogprobsEvent, TokenEvent
+from phalanx.scheduler.requests import GenerationParams, Request, RequestIds
+from phalanx.scheduler.scheduler import Scheduler, SchedulerStats
+from phalanx.scheduler.step_contract import StepExecutor
 
 __all__ = [
     "Engine",
@@ -38,6 +38,7 @@ __all__ = [
     "Event",
     "FinishEvent",
     "GenerationParams",
+    "PromptLogprobsEvent",
     "RequestStream",
     "TokenEvent",
 ]
@@ -62,7 +63,7 @@ class EngineConfig:
     step_timeout: float = 300.0
     startup_timeout: float = 120.0
     cuda_graph: bool = False
-    # Send each decode step before reading the last one's result (executor.scheduler).
+    # Send each decode step before reading the last one's result (scheduler.scheduler).
     pipeline: bool = True
     transport: str = "ipc"
     idle_ping_interval: float = 5.0  # an idle engine pings the ranks this often, to notice a dead one
@@ -94,7 +95,7 @@ class EngineExecutor(StepExecutor, Protocol):
 
 
 def launch(config: EngineConfig) -> EngineExecutor:
-    from executor.launcher import ExecutorConfig, launch_executor
+    from phalanx.executor.launcher import ExecutorConfig, launch_executor
 
     fields: dict[str, Any] = dict(
         model_dir=str(config.model_dir),

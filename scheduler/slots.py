@@ -7,7 +7,7 @@ inside the retirement's ``DropRequest`` so their slot maps follow.
 
 from __future__ import annotations
 
-from protocol.messages import SlotMove
+from phalanx.protocol.messages import SlotMove
 
 
 class DenseSlots:

@@ -1,17 +1,22 @@
-"""Everything one rank needs to start, encodable (msgspec JSON) so no pickle crosses the spawn."""
+"""The launch contract: everything one rank needs to start, encodable (msgspec JSON) so no pickle
+crosses the spawn, and the spawn target that runs a rank's entry point named by qualified name
+(the coordinator starts ranks without importing the worker)."""
 
 from __future__ import annotations
 
-import os
+import importlib
 
 import msgspec
+
+# The function a spawned rank runs, given its encoded WorkerConfig.
+WORKER_ENTRY = "phalanx.worker.entry:spawn_main"
 
 
 class WorkerLimits(msgspec.Struct, frozen=True):
     """Configured upper bounds. On CPU they are the capacity; on CUDA memory may lower them.
 
     On CUDA ``kv_pages`` 0 means "as many as fit" and ``max_slots`` 0 "as many as the largest
-    graph bucket, if their states fit in half of the cache memory" (``worker.capacity``).
+    graph bucket, if their states fit in half of the cache memory" (``phalanx.worker.capacity``).
     """
 
     kv_pages: int
@@ -49,7 +54,7 @@ def decode_config(data: bytes) -> WorkerConfig:
     return msgspec.json.decode(data, type=WorkerConfig)
 
 
-def ranks_on_this_host(world_size: int) -> int:
-    """How many ranks share this host's cores: torchrun says so for attached ranks
-    (``LOCAL_WORLD_SIZE``); ranks the coordinator spawns all share its host."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE") or world_size)
+def run_entry(entry: str, config_json: bytes) -> None:
+    """Import ``module:function`` and call it with the encoded config (a spawned rank's target)."""
+    module, _, function = entry.partition(":")
+    getattr(importlib.import_module(module), function)(config_json)

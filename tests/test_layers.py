@@ -1,0 +1,71 @@
+"""The layers' import graph: dependencies point one way, every import names the phalanx namespace,
+and the package list that installs the namespace names every package folder."""
+
+from __future__ import annotations
+
+import ast
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Each layer and the layers it may import (README, "How it is built").
+ALLOWED: dict[str, set[str]] = {
+    "protocol": set(),
+    "kernels": set(),
+    "models": {"kernels"},
+    "worker": {"protocol", "models", "kernels"},
+    "executor": {"protocol"},
+    "scheduler": {"protocol"},
+    "engine": {"scheduler", "executor", "protocol"},
+    "server": {"engine", "protocol"},
+    "tools": {"protocol", "kernels", "models", "worker", "executor", "scheduler", "engine", "server"},
+}
+
+
+def _imported_modules(path: Path) -> list[tuple[int, str]]:
+    """Every module ``path`` imports, at any depth (function-level imports count too)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.lineno, node.module))
+    return found
+
+
+def _sources(*folders: str) -> list[Path]:
+    return sorted(path for folder in folders for path in (ROOT / folder).rglob("*.py"))
+
+
+def test_every_layer_imports_only_the_layers_below_it() -> None:
+    wrong = []
+    for layer, allowed in ALLOWED.items():
+        for path in _sources(layer):
+            for line, module in _imported_modules(path):
+                parts = module.split(".")
+                if parts[0] == "phalanx" and len(parts) > 1 and parts[1] not in allowed | {layer}:
+                    wrong.append(f"{path.relative_to(ROOT)}:{line} imports {module}")
+    assert wrong == []
+
+
+def test_no_module_imports_a_layer_outside_the_namespace() -> None:
+    """``import executor`` would load a second copy of the layer beside ``phalanx.executor``."""
+    bare = [
+        f"{path.relative_to(ROOT)}:{line} imports {module}"
+        for path in _sources(*ALLOWED, "tests")
+        for line, module in _imported_modules(path)
+        if module.split(".")[0] in ALLOWED
+    ]
+    assert bare == []
+
+
+def test_the_installed_namespace_names_every_package_folder() -> None:
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {
+        "phalanx." + ".".join(init.parent.relative_to(ROOT).parts)
+        for layer in ALLOWED
+        for init in (ROOT / layer).rglob("__init__.py")
+    }
+    assert config["package-dir"] == {"phalanx": "."}
+    assert sorted(config["packages"]) == sorted(folders)
