@@ -24,6 +24,7 @@ import structlog
 
 from phalanx.engine.stream import RequestStream
 from phalanx.executor.errors import ExecutorPoisoned
+from phalanx.protocol.messages import Ping
 from phalanx.scheduler.events import ErrorEvent, Event, FinishEvent, PromptLogprobsEvent, TokenEvent
 from phalanx.scheduler.requests import GenerationParams, Request, RequestIds
 from phalanx.scheduler.scheduler import Scheduler, SchedulerStats
@@ -86,8 +87,6 @@ class EngineExecutor(StepExecutor, Protocol):
     model_info: Any
     poison_reason: str | None
     rejected_frames: int
-
-    def ping(self) -> None: ...
 
     def interrupt(self, reason: str) -> None: ...
 
@@ -279,7 +278,7 @@ class Engine:
             try:
                 item = self._inbox.get(timeout=self._idle_ping_interval)
             except queue.Empty:
-                self._executor.ping()
+                self._executor.collect(self._executor.send(Ping()))
                 return True
         while True:
             if item is _STOP:

@@ -10,9 +10,13 @@ from phalanx.protocol.messages import (
     NO_FEED,
     NO_TOKEN,
     Capacity,
+    Command,
+    Decode,
     DecodeRow,
     DropRequest,
+    Prefill,
     PrefillChunk,
+    Unified,
 )
 from phalanx.protocol.packing import unpack_ids
 
@@ -157,3 +161,16 @@ def check_drop(command: DropRequest, capacity: Capacity) -> None:
     for slot in (move.from_slot, move.to_slot):
         if not 0 <= slot < capacity.max_slots:
             raise StepRejected(f"drop request slot move uses slot {slot} outside 0..{capacity.max_slots - 1}")
+
+
+def check_command(command: Command, capacity: Capacity, vocab_size: int) -> None:
+    """The structural check of ``command`` by its type (Ping, Precapture and Shutdown carry nothing)."""
+    match command:
+        case Prefill(chunks=chunks):
+            check_prefill(chunks, capacity, vocab_size)
+        case Decode(rows=rows):
+            check_decode(rows, capacity, vocab_size)
+        case Unified(prefill=chunks, decode=rows):
+            check_unified(chunks, rows, capacity, vocab_size)
+        case DropRequest():
+            check_drop(command, capacity)

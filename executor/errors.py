@@ -33,5 +33,5 @@ class StartupError(ExecutorError):
         self.exit_codes: dict[int, int | None] = {}
 
 
-class ResponseError(ExecutorError):
-    """A reply set broke the response contract (the text is asserted in tests)."""
+class ReplyError(ExecutorError):
+    """A step's replies broke the reply contract (the text is asserted in tests)."""

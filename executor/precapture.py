@@ -32,7 +32,7 @@ from tqdm import tqdm
 from phalanx.executor.errors import ExecutorError, StartupError
 from phalanx.executor.runtime import Executor
 from phalanx.protocol.buckets import buckets_up_to
-from phalanx.protocol.messages import Capture, Finalize, Launch, PrecapturePhase, Warmup
+from phalanx.protocol.messages import Capture, Finalize, Launch, Precapture, PrecapturePhase, Warmup
 
 log = structlog.get_logger("phalanx.precapture")
 
@@ -140,7 +140,10 @@ def precapture_decode_graphs(executor: Executor, progress: bool = True) -> Sweep
     buckets = buckets_up_to(executor.capacity.max_slots)
     try:
         return run_precapture_sweep(
-            executor.precapture, buckets, timeout_s=executor.config.precapture_timeout, progress=progress
+            lambda phase: executor.call(Precapture(phase)),
+            buckets,
+            timeout_s=executor.config.precapture_timeout,
+            progress=progress,
         )
     except ExecutorError as exc:
         raise StartupError(f"decode graph pre-capture failed: {exc}", phase="startup:precapture") from exc

@@ -1,58 +1,35 @@
-"""The executor: one call per step, from the scheduler's thread.
+"""The executor: one pair of calls per step, ``send(command)`` and ``collect(in_flight)``.
 
-Each call checks the command structurally (StepRejected, no poison), sends one envelope with the
-next seq to every rank, collects exactly ``world_size`` replies within the step timeout and
-validates them. A decode or a prefill may be split in two (``send_decode``, then ``collect_decode``)
-so that the next step is on its way before this one's result is read (pipelined decode): replies
-that arrive for a step still in flight are kept for its collection. The first Failed reply, a dead
-rank, a timeout or an invalid reply set poisons the executor: every rank is killed and reaped,
-and every later call raises ExecutorPoisoned with the first reason.
+``send`` checks the command structurally (StepRejected, no poison) and sends one envelope with the
+next seq to every rank; ``collect`` waits for exactly ``world_size`` replies within the step
+timeout and validates them against the command (executor.replies). Several steps may be in
+flight (pipelined decode: the next step is on its way before this one's reply is read); replies
+that arrive for a step still in flight are kept for its collection. The first Failed reply, a
+dead rank, a timeout or an invalid reply set poisons the executor: every rank is killed and
+reaped, and every later call raises ExecutorPoisoned with the first reason.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NoReturn, TypeVar
+from typing import NoReturn
 
 import structlog
 
-from phalanx.executor import checks, responses
+from phalanx.executor import checks, replies
 from phalanx.executor.collect import RankFailed, StepCollection
 from phalanx.executor.config import ExecutorConfig
-from phalanx.executor.errors import ExecutorError, ResponseError
+from phalanx.executor.errors import ExecutorError, ReplyError
 from phalanx.executor.link import DispatchError, RankLink
 from phalanx.executor.logs import bind
 from phalanx.executor.model_info import ModelInfo
 from phalanx.executor.poison import Poison
 from phalanx.protocol import PROTOCOL_VERSION, encode
-from phalanx.protocol.messages import (
-    Capacity,
-    Command,
-    Decode,
-    DecodeDone,
-    DecodeRow,
-    DropRequest,
-    Envelope,
-    Expectation,
-    Ping,
-    Precapture,
-    PrecapturePhase,
-    Prefill,
-    PrefillChunk,
-    PrefillDone,
-    ReplyEnvelope,
-    Shutdown,
-    SlotMove,
-    Unified,
-    UnifiedDone,
-)
+from phalanx.protocol.messages import Capacity, Command, Envelope, ReplyEnvelope, Shutdown
 from phalanx.protocol.transport import RuntimeDir
 
 log = structlog.get_logger("phalanx.executor")
-
-T = TypeVar("T")
 
 # How long a failed send waits for the Failed reply of a step in flight before naming the send.
 DISPATCH_GRACE_S = 0.5
@@ -68,7 +45,7 @@ def _timed_out(message: str) -> bool:
 class InFlight:
     """A command sent to every rank whose replies are not collected yet."""
 
-    op: str
+    command: Command
     seq: int
     timeout: float
     deadline: float
@@ -112,72 +89,27 @@ class Executor:
     def address(self) -> str:
         return self._link.sock.address
 
-    @property
-    def rank_exit_codes(self) -> list[int | None]:
-        """Exit code of each spawned rank (None while running, or for a rank not spawned here)."""
-        return [rank.exitcode for rank in self._link.ranks]
-
-    @property
-    def rank_pids(self) -> list[int | None]:
-        return [rank.process.pid if rank.process is not None else None for rank in self._link.ranks]
-
     # -- the public calls -----------------------------------------------------------------------
 
-    def ping(self) -> None:
-        replies = self._step("ping", Ping())
-        self._validated(lambda: responses.validate_acks("ping", replies, self.world_size))
-
-    def prefill(self, chunks: list[PrefillChunk]) -> PrefillDone:
-        return self.collect_prefill(self.send_prefill(chunks))
-
-    def send_prefill(self, chunks: list[PrefillChunk]) -> InFlight:
-        """Send a prefill without waiting for it (the request's first decode may follow it,
-        fed from ``feed_slot``); ``collect_prefill`` reads its result."""
+    def send(self, command: Command, timeout: float | None = None) -> InFlight:
+        """Check ``command`` and send it to every rank without waiting for it; ``collect`` reads
+        its reply. ``timeout``: the step's deadline in seconds (default: the step timeout)."""
         self._poison.ensure_healthy()
-        checks.check_prefill(chunks, self.capacity, self.model_info.vocab_size)
-        return self._send("prefill", Prefill(chunks))
+        checks.check_command(command, self.capacity, self.model_info.vocab_size)
+        return self._send(command, timeout)
 
-    def collect_prefill(self, step: InFlight) -> PrefillDone:
-        replies = self._collect(step)
-        return self._validated(lambda: responses.validate_prefill(replies, self.world_size))
+    def collect(self, step: InFlight) -> replies.StepReply:
+        """Rank 0's reply to ``step``, once every rank answered and the replies agree with its
+        command; anything else poisons."""
+        collected = self._collect(step)
+        try:
+            return replies.validate(step.command, collected, self.world_size)
+        except ReplyError as exc:
+            self._fail(str(exc))
 
-    def decode(self, rows: list[DecodeRow]) -> DecodeDone:
-        return self.collect_decode(self.send_decode(rows))
-
-    def send_decode(self, rows: list[DecodeRow]) -> InFlight:
-        """Send a decode step without waiting for it; ``collect_decode`` reads its result."""
-        self._poison.ensure_healthy()
-        checks.check_decode(rows, self.capacity, self.model_info.vocab_size)
-        return self._send("decode", Decode(rows))
-
-    def collect_decode(self, step: InFlight) -> DecodeDone:
-        replies = self._collect(step)
-        return self._validated(lambda: responses.validate_decode(replies, self.world_size))
-
-    def unified(self, chunks: list[PrefillChunk], rows: list[DecodeRow]) -> UnifiedDone:
-        return self.collect_unified(self.send_unified(chunks, rows))
-
-    def send_unified(self, chunks: list[PrefillChunk], rows: list[DecodeRow]) -> InFlight:
-        """Send a unified step without waiting for it (its decode rows may be FED from the step
-        before); ``collect_unified`` reads its result."""
-        self._poison.ensure_healthy()
-        checks.check_unified(chunks, rows, self.capacity, self.model_info.vocab_size)
-        return self._send("unified", Unified(chunks, rows))
-
-    def collect_unified(self, step: InFlight) -> UnifiedDone:
-        replies = self._collect(step)
-        return self._validated(lambda: responses.validate_unified(replies, self.world_size))
-
-    def drop(self, request_id: int, expectation: Expectation, move: SlotMove | None = None) -> None:
-        self._poison.ensure_healthy()
-        command = DropRequest(request_id, expectation, move)
-        checks.check_drop(command, self.capacity)
-        replies = self._step(responses.DROP_OP, command)
-        self._validated(lambda: responses.validate_drop(expectation, replies, self.world_size))
-
-    def precapture(self, phase: PrecapturePhase, timeout: float | None = None) -> None:
-        replies = self._step("precapture", Precapture(phase), timeout)
-        self._validated(lambda: responses.validate_acks("precapture", replies, self.world_size))
+    def call(self, command: Command, timeout: float | None = None) -> replies.StepReply:
+        """``send`` then ``collect``: one step with nothing else in flight behind it."""
+        return self.collect(self.send(command, timeout))
 
     def interrupt(self, reason: str) -> None:
         """Make the step waiting for replies fail at once (within one poll slice), naming the
@@ -194,7 +126,7 @@ class Executor:
         if self._poison.reason is None:
             started = time.monotonic()
             try:
-                self._step("shutdown", Shutdown(), timeout=grace)
+                self.call(Shutdown(), timeout=grace)
                 self._clean_shutdown = True
             except ExecutorError as exc:
                 log.warning("shutdown was not acknowledged by every rank", error=str(exc))
@@ -221,18 +153,9 @@ class Executor:
         self._link.kill_all(error.reason, self.epoch)
         raise error
 
-    def _validated(self, validate: Callable[[], T]) -> T:
-        try:
-            return validate()
-        except ResponseError as exc:
-            self._fail(str(exc))
-
-    def _step(self, op: str, body: Command, timeout: float | None = None) -> list[ReplyEnvelope]:
-        return self._collect(self._send(op, body, timeout))
-
-    def _send(self, op: str, body: Command, timeout: float | None = None) -> InFlight:
-        self._poison.ensure_healthy()
-        if self._closed and op != "shutdown":
+    def _send(self, command: Command, timeout: float | None) -> InFlight:
+        op = replies.command_name(command)
+        if self._closed and not isinstance(command, Shutdown):
             raise ExecutorError(f"{op} called after shutdown")
         self._seq += 1
         seq = self._seq
@@ -240,11 +163,11 @@ class Executor:
         timeout = self.config.step_timeout if timeout is None else timeout
         self._collections[seq] = StepCollection(op, seq, self.world_size)
         try:
-            self._link.broadcast(encode(Envelope(PROTOCOL_VERSION, self.epoch, seq, body)))
+            self._link.broadcast(encode(Envelope(PROTOCOL_VERSION, self.epoch, seq, command)))
         except DispatchError as exc:
             reason = self._failure_already_sent(DISPATCH_GRACE_S)
             self._fail(reason or f"failed to dispatch {op} to rank {exc.rank}: {exc.error}")
-        return InFlight(op, seq, timeout, time.monotonic() + timeout)
+        return InFlight(command, seq, timeout, time.monotonic() + timeout)
 
     def _failure_already_sent(self, grace_s: float) -> str | None:
         """The Failed reply of a step still in flight, if one arrives within ``grace_s``: a rank
@@ -264,7 +187,7 @@ class Executor:
     def _collect(self, step: InFlight) -> list[ReplyEnvelope]:
         """Exactly ``world_size`` replies to ``step``; replies to other steps in flight are kept."""
         self._poison.ensure_healthy()
-        op, collection = step.op, self._collections[step.seq]
+        op, collection = replies.command_name(step.command), self._collections[step.seq]
         bind(self.epoch, step.seq)
         while not collection.done:
             if self._interrupted is not None:

@@ -6,11 +6,12 @@ checks every command the way a worker does, raising ``RankStateError`` on any mi
 output depends only on what the scheduler fed it: if the scheduler misplaces a token, a position
 or a page, the output changes or a check fires.
 
-Pipelined decode (``send_decode`` / ``collect_decode``, ``send_prefill`` / ``collect_prefill``) is
-carried out at once and its result held until collected. A ``FED_TOKEN`` row must follow a decode
-of its request in the same slot, or a prefill whose last chunk named that slot (``feed_slot``), and
-the fake refuses any other command while a step is uncollected: the scheduler reads every step in
-flight before it prefills (blocking), drops or runs a unified step.
+Every command (``send``) is carried out at once and its reply held until ``collect``, which must
+read the steps in the order they were sent. A ``FED_TOKEN`` row must follow a decode of its
+request in the same slot, or a prefill whose last chunk named that slot (``feed_slot``), and the
+fake refuses a prefill or a drop while a step is uncollected: the scheduler reads every step in
+flight before it prefills alone or drops. Each reply passes the executor's own check against its
+command (executor.replies), as a real executor's does before the scheduler sees it.
 """
 
 from __future__ import annotations
@@ -18,21 +19,33 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
+from phalanx.executor.replies import validate
+from phalanx.protocol import PROTOCOL_VERSION
 from phalanx.protocol.messages import (
     FED_TOKEN,
     NO_FEED,
+    Ack,
     Capacity,
+    Command,
+    Decode,
     DecodeDone,
     DecodeRow,
+    DropAck,
+    DropRequest,
     Expectation,
+    Ping,
+    Prefill,
     PrefillChunk,
     PrefillDone,
+    ReplyEnvelope,
     SamplingParams,
-    SlotMove,
     TokenResult,
+    Unified,
     UnifiedDone,
 )
 from phalanx.protocol.packing import unpack_list
+
+Reply = Ack | DropAck | PrefillDone | DecodeDone | UnifiedDone
 
 
 class RankStateError(RuntimeError):
@@ -64,8 +77,9 @@ class FakeRanks:
         self.commands: list[tuple[str, object]] = []
         self.fail_on_drop_of: int | None = None
         self._fed_from: dict[int, int] = {}  # request id -> slot of the last command's decode rows
-        self._uncollected: list[int] = []  # handles of pipelined decodes not read yet, oldest first
-        self._results: dict[int, DecodeDone | PrefillDone | UnifiedDone] = {}
+        self._uncollected: list[int] = []  # handles of steps not read yet, oldest first
+        self._sent = 0  # the last handle given out
+        self._results: dict[int, tuple[Command, Reply]] = {}
         self._feeds: dict[int, int] = {}  # request id -> slot the last prefill fed
         self.most_in_flight = 0
 
@@ -165,66 +179,44 @@ class FakeRanks:
         self._fed_from = {row.request_id: row.slot for row in rows}
         return results
 
-    def prefill(self, chunks: list[PrefillChunk]) -> PrefillDone:
-        self.commands.append(("prefill", chunks))
-        self._not_in_flight("prefill")
-        return PrefillDone(results=list(reversed(self._prefill(chunks))))
+    def send(self, command: Command) -> int:
+        """Carry ``command`` out now and hold its reply for ``collect``; returns its handle."""
+        match command:
+            case Prefill(chunks=chunks):
+                return self._hold(command, self._prefill_step(chunks))
+            case Decode(rows=rows):
+                self.commands.append(("decode", rows))
+                return self._hold(command, DecodeDone(results=list(reversed(self._decode(rows)))))
+            case Unified(prefill=chunks, decode=rows):
+                return self._hold(command, self._unified(chunks, rows))
+            case DropRequest():
+                return self._hold(command, DropAck(self._drop(command)))
+            case Ping():
+                return self._hold(command, Ack())
+        raise RankStateError(f"the fake ranks do not run {type(command).__name__}")
 
-    def send_prefill(self, chunks: list[PrefillChunk]) -> int:
+    def collect(self, handle: int) -> Reply:
+        """The step's reply, checked against its command by the executor's own validation."""
+        if not self._uncollected or self._uncollected[0] != handle:
+            raise RankStateError(f"step {handle} collected out of order (in flight: {self._uncollected})")
+        self._uncollected.pop(0)
+        command, reply = self._results.pop(handle)
+        return validate(command, [ReplyEnvelope(PROTOCOL_VERSION, 0, 0, handle, reply)], world_size=1)
+
+    def _hold(self, command: Command, reply: Reply) -> int:
+        self._sent += 1
+        handle = self._sent
+        self._results[handle] = (command, reply)
+        self._uncollected.append(handle)
+        self.most_in_flight = max(self.most_in_flight, len(self._uncollected))
+        return handle
+
+    def _prefill_step(self, chunks: list[PrefillChunk]) -> PrefillDone:
         self.commands.append(("prefill", chunks))
         self._not_in_flight("prefill")
         self._feeds = {}
         done = PrefillDone(results=list(reversed(self._prefill(chunks))))
         self._fed_from = dict(self._feeds)
-        return self._hold(done)
-
-    def collect_prefill(self, handle: int) -> PrefillDone:
-        done = self._collect(handle)
-        if not isinstance(done, PrefillDone):
-            raise RankStateError(f"step {handle} is not a prefill, collected as one")
-        return done
-
-    def _hold(self, done: DecodeDone | PrefillDone | UnifiedDone) -> int:
-        handle = len(self.commands)
-        self._results[handle] = done
-        self._uncollected.append(handle)
-        self.most_in_flight = max(self.most_in_flight, len(self._uncollected))
-        return handle
-
-    def _collect(self, handle: int) -> DecodeDone | PrefillDone | UnifiedDone:
-        if not self._uncollected or self._uncollected[0] != handle:
-            raise RankStateError(f"step {handle} collected out of order (in flight: {self._uncollected})")
-        self._uncollected.pop(0)
-        return self._results.pop(handle)
-
-    def decode(self, rows: list[DecodeRow]) -> DecodeDone:
-        if self._uncollected:
-            raise RankStateError("a blocking decode sent while decode steps are uncollected")
-        self.commands.append(("decode", rows))
-        return DecodeDone(results=list(reversed(self._decode(rows))))
-
-    def send_decode(self, rows: list[DecodeRow]) -> int:
-        self.commands.append(("decode", rows))
-        return self._hold(DecodeDone(results=list(reversed(self._decode(rows)))))
-
-    def collect_decode(self, handle: int) -> DecodeDone:
-        done = self._collect(handle)
-        if not isinstance(done, DecodeDone):
-            raise RankStateError(f"step {handle} is not a decode, collected as one")
-        return done
-
-    def unified(self, chunks: list[PrefillChunk], rows: list[DecodeRow]) -> UnifiedDone:
-        if self._uncollected:
-            raise RankStateError("a blocking unified sent while steps are uncollected")
-        return self._unified(chunks, rows)
-
-    def send_unified(self, chunks: list[PrefillChunk], rows: list[DecodeRow]) -> int:
-        return self._hold(self._unified(chunks, rows))
-
-    def collect_unified(self, handle: int) -> UnifiedDone:
-        done = self._collect(handle)
-        if not isinstance(done, UnifiedDone):
-            raise RankStateError(f"step {handle} is not a unified step, collected as one")
         return done
 
     def _unified(self, chunks: list[PrefillChunk], rows: list[DecodeRow]) -> UnifiedDone:
@@ -235,7 +227,9 @@ class FakeRanks:
             raise RankStateError("request in both prefill and decode")
         return UnifiedDone(prefill=self._prefill(chunks), decode=self._decode(rows))
 
-    def drop(self, request_id: int, expectation: Expectation, move: SlotMove | None = None) -> None:
+    def _drop(self, command: DropRequest) -> bool:
+        """Carry the drop out; returns whether the request existed."""
+        request_id, expectation, move = command.request_id, command.expectation, command.move
         self.commands.append(("drop", (request_id, expectation, move)))
         self._not_in_flight("drop")
         if request_id == self.fail_on_drop_of:
@@ -247,11 +241,11 @@ class FakeRanks:
             if move is not None:
                 raise RankStateError(f"drop of staged request {request_id} carries a slot compaction")
             del self.staging[request_id]
-            return
+            return existed
         if not existed:
             if move is not None:
                 raise RankStateError(f"drop of absent request {request_id} carries a slot compaction")
-            return
+            return existed
         del self.slot_state[request_id]
         slot = self.slot_map.index(request_id)
         if move is None:
@@ -262,3 +256,4 @@ class FakeRanks:
             self.slot_map[move.to_slot] = move.request_id
             self.slot_map[move.from_slot] = None
         self._check_dense()
+        return existed

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from phalanx.executor.launcher import ExecutorConfig
+from phalanx.executor.runtime import Executor
 from phalanx.protocol.messages import DecodeRow, PrefillChunk, SamplingParams, TokenResult
 from phalanx.protocol.packing import pack_ids
 
@@ -20,6 +21,16 @@ LOGPROBS = SamplingParams(logprobs=3)
 
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def rank_pids(executor: Executor) -> list[int | None]:
+    """Each rank's pid (None for a rank not spawned here: torchrun's, watched through heartbeats)."""
+    return [rank.process.pid if rank.process is not None else None for rank in executor._link.ranks]
+
+
+def rank_exit_codes(executor: Executor) -> list[int | None]:
+    """Each spawned rank's exit code (None while it runs, or for a rank not spawned here)."""
+    return [rank.exitcode for rank in executor._link.ranks]
 
 
 def free_port() -> int:

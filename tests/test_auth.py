@@ -13,9 +13,11 @@ from phalanx.executor.launcher import ExecutorConfig, launch_executor
 from phalanx.protocol import (
     PROTOCOL_VERSION,
     Ack,
+    Decode,
     DecodeRow,
     Envelope,
     Ping,
+    Prefill,
     PrefillChunk,
     ReplyEnvelope,
     encode,
@@ -152,7 +154,7 @@ def test_tcp_launch_drops_unsigned_forged_and_replayed_frames(
         link = ex._link
         coordinator = link.sock._framer
         chunk = PrefillChunk(1, pack_ids([1, 2, 3]), 0, pack_ids([0]), True)
-        (first,) = ex.prefill([chunk]).results  # signed frames flow both ways
+        (first,) = ex.call(Prefill([chunk])).results  # signed frames flow both ways
 
         # At the coordinator: a stranger forges rank 0's answer to the next step.
         next_seq = ex._seq + 1
@@ -175,13 +177,13 @@ def test_tcp_launch_drops_unsigned_forged_and_replayed_frames(
 
         deadline = time.monotonic() + 10
         while link.rejected_frames < len(frames) and time.monotonic() < deadline:
-            ex.ping()
+            ex.call(Ping())
         stranger.close()
         assert link.rejected_frames == len(frames)
         assert coordinator.drops == {"bad_tag": 40}  # the replayed 3 verify on the stranger's own
         assert link.rejected_frames == len(frames)  # connection, which no rank is bound to
         row = DecodeRow(1, 0, first.token, 3, pack_ids([0]))
-        ex.decode([row])  # nothing forged was taken for a reply, nothing unsigned was executed
+        ex.call(Decode([row]))  # nothing forged was taken for a reply, nothing unsigned was executed
         assert ex.poison_reason is None
     finally:
         ex.shutdown()

@@ -329,8 +329,9 @@ def test_rank_sigkilled_mid_decode_under_nccl_stops_every_rank(
     for it in an NCCL collective: the executor names the dead rank and no rank is left behind."""
     from phalanx.executor.errors import ExecutorPoisoned
     from phalanx.executor.launcher import launch_executor
+    from phalanx.protocol.messages import Decode, Ping, Prefill
     from phalanx.worker import faults
-    from tests.runtime_helpers import alive, chunk, row, small_config
+    from tests.runtime_helpers import alive, chunk, rank_pids, row, small_config
 
     monkeypatch.setenv(faults.ENV, "1:decode#2:kill")
     ex = launch_executor(
@@ -345,15 +346,15 @@ def test_rank_sigkilled_mid_decode_under_nccl_stops_every_rank(
     )
     monkeypatch.delenv(faults.ENV)
     try:
-        pids = [pid for pid in ex.rank_pids if pid is not None]
+        pids = [pid for pid in rank_pids(ex) if pid is not None]
         assert len(pids) == 2
-        (first,) = ex.prefill([chunk(1, 0, [5, 6, 7], 0, True)]).results
-        (second,) = ex.decode([row(1, 0, 0, first.token, 3)]).results  # decode #1 on every rank
+        (first,) = ex.call(Prefill([chunk(1, 0, [5, 6, 7], 0, True)])).results
+        (second,) = ex.call(Decode([row(1, 0, 0, first.token, 3)])).results  # decode #1 on every rank
         started = time.monotonic()
         with pytest.raises(
             ExecutorPoisoned, match=r"^executor is poisoned: rank 1 exited with code -9 during decode$"
         ):
-            ex.decode([row(1, 0, 0, second.token, 4)])
+            ex.call(Decode([row(1, 0, 0, second.token, 4)]))
         detected_s = time.monotonic() - started
         while any(alive(pid) for pid in pids) and time.monotonic() - started < STEP_TIMEOUT_S:
             multiprocessing.active_children()  # reaps a rank whose CUDA teardown outlasted the kill's join
@@ -364,6 +365,6 @@ def test_rank_sigkilled_mid_decode_under_nccl_stops_every_rank(
         )
         assert detected_s < STEP_TIMEOUT_S, f"the dead rank was reported after {detected_s:.1f} s"
         with pytest.raises(ExecutorPoisoned, match="rank 1 exited with code -9 during decode"):
-            ex.ping()
+            ex.call(Ping())
     finally:
         ex.shutdown()

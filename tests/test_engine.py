@@ -13,7 +13,7 @@ from fake_ranks import FakeRanks
 from phalanx.engine.engine import Engine, ErrorEvent, FinishEvent, GenerationParams, TokenEvent
 from phalanx.executor.errors import ExecutorPoisoned
 from phalanx.executor.model_info import ModelInfo
-from phalanx.protocol.messages import Capacity, DecodeRow
+from phalanx.protocol.messages import Capacity, Command, Decode, Ping
 
 
 class DoubleExecutor(FakeRanks):
@@ -32,22 +32,22 @@ class DoubleExecutor(FakeRanks):
         self.gate = threading.Event()
         self.gate.set()
 
-    def decode(self, rows: list[DecodeRow]):
-        self.gate.wait(10)
-        if self.fail_decode:
-            self.poison_reason = "rank 1 failed during decode: injected"
-            raise ExecutorPoisoned(self.poison_reason)
-        return super().decode(rows)
+    def send(self, command: Command) -> int:
+        if isinstance(command, Decode):
+            self.gate.wait(10)
+            if self.fail_decode:
+                self.poison_reason = "rank 1 failed during decode: injected"
+                raise ExecutorPoisoned(self.poison_reason)
+        if isinstance(command, Ping):
+            self.pings += 1
+            if self.fail_ping:
+                self.poison_reason = "rank 0 exited with code -9 during ping"
+                raise ExecutorPoisoned(self.poison_reason)
+        return super().send(command)
 
     def shutdown(self) -> bool:
         self.shutdowns += 1
         return True
-
-    def ping(self) -> None:
-        self.pings += 1
-        if self.fail_ping:
-            self.poison_reason = "rank 0 exited with code -9 during ping"
-            raise ExecutorPoisoned(self.poison_reason)
 
 
 @pytest.fixture

@@ -2,7 +2,7 @@
 
 One engine per TP degree for the whole module (launching is the expensive part). The engine's
 executor is wrapped in ``HeldExecutor``, which forwards every call to the real executor and can
-hold the scheduler thread right after a chosen command, so a test can cancel a request in an
+hold the scheduler thread right after a chosen command is sent, so a test can cancel a request in an
 exact phase. Rank state is checked at the end through the real ranks (MustBeAbsent drops).
 """
 
@@ -29,7 +29,8 @@ from phalanx.engine.engine import (
     TokenEvent,
     launch,
 )
-from phalanx.protocol.messages import Expectation
+from phalanx.protocol.messages import Decode, DropRequest, Expectation, Prefill, Unified
+from tests.runtime_helpers import rank_pids
 
 KV_PAGES, PAGE_SIZE, MAX_SLOTS, MAX_BATCH_TOKENS = 32, 4, 16, 24
 MAX_CONTEXT = KV_PAGES * PAGE_SIZE  # below the tiny model's 2048 positions
@@ -61,35 +62,30 @@ class HeldExecutor:
         self._predicate = None
         self._go.set()
 
-    def _call(self, name: str, *args, method: str = ""):
-        result = getattr(self.inner, method or name)(*args)
-        self.commands.append((name, args))
-        if self._predicate is not None and self._predicate(name, args):
+    def send(self, command):
+        handle = self.inner.send(command)
+        name, args = command_args(command)
+        if name:
+            self.commands.append((name, args))
+        if name and self._predicate is not None and self._predicate(name, args):
             self._predicate = None
             self._held.set()
             assert self._go.wait(60), "the test never released the engine"
-        return result
+        return handle
 
-    def prefill(self, chunks):
-        return self._call("prefill", chunks)
 
-    def decode(self, rows):
-        return self._call("decode", rows)
-
-    def send_decode(self, rows):  # a pipelined decode: held (if asked) once it is sent
-        return self._call("decode", rows, method="send_decode")
-
-    def send_prefill(self, chunks):  # a prefill its first decodes follow unread: held once sent
-        return self._call("prefill", chunks, method="send_prefill")
-
-    def unified(self, chunks, rows):
-        return self._call("unified", chunks, rows)
-
-    def send_unified(self, chunks, rows):  # a pipelined unified step: held (if asked) once sent
-        return self._call("unified", chunks, rows, method="send_unified")
-
-    def drop(self, request_id, expectation, move=None):
-        return self._call("drop", request_id, expectation, move)
+def command_args(command) -> tuple[str, tuple]:
+    """A step command as (name, args): what a test's predicates read."""
+    match command:
+        case Prefill(chunks=chunks):
+            return "prefill", (chunks,)
+        case Decode(rows=rows):
+            return "decode", (rows,)
+        case Unified(prefill=chunks, decode=rows):
+            return "unified", (chunks, rows)
+        case DropRequest(request_id=request_id, expectation=expectation, move=move):
+            return "drop", (request_id, expectation, move)
+    return "", ()
 
 
 def chunk_ids(name: str, args: tuple) -> list[tuple[int, int, bool]]:
@@ -154,7 +150,7 @@ def assert_idle_and_clean(engine: Engine, request_ids: list[int]) -> None:
     assert engine.poison_reason is None
     # The scheduler thread is idle (nothing open), so the test thread may use the executor.
     for request_id in request_ids:
-        engine._executor.inner.drop(request_id, Expectation.MUST_BE_ABSENT)
+        engine._executor.inner.call(DropRequest(request_id, Expectation.MUST_BE_ABSENT))
 
 
 def prompt_of(rng: random.Random, length: int) -> list[int]:
@@ -362,7 +358,7 @@ def test_a_dead_rank_poisons_the_engine_and_every_open_request_gets_one_error(en
         engine.submit(prompt_of(rng, 90), GenerationParams(max_tokens=4, ignore_eos=True))
     )  # waits
     victim = executor.world_size - 1
-    os.kill(executor.rank_pids[victim], signal.SIGKILL)
+    os.kill(rank_pids(executor.inner)[victim], signal.SIGKILL)
     executor.release()
     for stream in streams:
         events = list(stream)

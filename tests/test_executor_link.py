@@ -14,7 +14,7 @@ from phalanx.executor.model_info import ModelInfo
 from phalanx.executor.ranks import RankHandle
 from phalanx.executor.runtime import Executor
 from phalanx.protocol import PROTOCOL_VERSION, encode
-from phalanx.protocol.messages import Ack, Capacity, Failed, Heartbeat, ReplyEnvelope
+from phalanx.protocol.messages import Ack, Capacity, Failed, Heartbeat, Ping, ReplyEnvelope
 from phalanx.protocol.transport import CoordinatorSocket, RankSocket, RuntimeDir
 
 EPOCH = 11
@@ -105,5 +105,5 @@ def test_a_send_that_finds_a_rank_gone_names_the_failure_it_left_behind(wired) -
     _send(peers[0], 0, Failed("execution", "boom", "decode"), seq=1)
     executor._collections[1] = StepCollection("decode", 1, 2)  # the step in flight it failed
     with pytest.raises(ExecutorPoisoned) as poisoned:
-        executor.ping()
+        executor.call(Ping())
     assert str(poisoned.value) == "executor is poisoned: rank 0 failed during decode (decode): boom"

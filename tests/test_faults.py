@@ -26,12 +26,22 @@ from phalanx.engine.engine import Engine, EngineConfig, ErrorEvent, GenerationPa
 from phalanx.executor.errors import ExecutorPoisoned, StartupError
 from phalanx.executor.launcher import ExecutorConfig, launch_executor
 from phalanx.executor.runtime import Executor
-from phalanx.protocol import DecodeRow, Expectation, PrefillChunk, SlotMove, pack_ids
+from phalanx.protocol import (
+    Decode,
+    DecodeRow,
+    DropRequest,
+    Expectation,
+    Ping,
+    Prefill,
+    PrefillChunk,
+    SlotMove,
+    pack_ids,
+)
 from phalanx.protocol.messages import FED_TOKEN
 from phalanx.protocol.trace import Direction, read_trace
 from phalanx.server.app import create_app
 from phalanx.worker import faults
-from tests.runtime_helpers import alive
+from tests.runtime_helpers import alive, rank_pids
 
 LIMITS = {"kv_pages": 8, "page_size": 16, "max_slots": 4, "max_batch_tokens": 64}
 PROMPT = [1, 2, 3]
@@ -47,7 +57,7 @@ def faulty_executor(
     config = {"tp": 1, "step_timeout": 10.0, **LIMITS, **overrides}
     ex = launch_executor(ExecutorConfig(model_dir=str(model_dir), **config))
     monkeypatch.delenv(faults.ENV)
-    pids = [pid for pid in ex.rank_pids if pid is not None]
+    pids = [pid for pid in rank_pids(ex) if pid is not None]
     ipc_dir = Path(ex.address.removeprefix("ipc://")).parent
     try:
         yield ex
@@ -59,7 +69,7 @@ def faulty_executor(
 
 def _prefill(ex: Executor, *request_ids: int) -> dict[int, int]:
     chunks = [PrefillChunk(rid, pack_ids(PROMPT), 0, pack_ids([rid - 1]), True) for rid in request_ids]
-    return {result.request_id: result.token for result in ex.prefill(chunks).results}
+    return {result.request_id: result.token for result in ex.call(Prefill(chunks)).results}
 
 
 def _decode(ex: Executor, tokens: dict[int, int], position: int) -> dict[int, int]:
@@ -67,7 +77,7 @@ def _decode(ex: Executor, tokens: dict[int, int], position: int) -> dict[int, in
         DecodeRow(rid, slot, token, position, pack_ids([rid - 1]))
         for slot, (rid, token) in enumerate(tokens.items())
     ]
-    return {result.request_id: result.token for result in ex.decode(rows).results}
+    return {result.request_id: result.token for result in ex.call(Decode(rows)).results}
 
 
 def _poisoned(call, *args: object) -> tuple[str, float]:
@@ -113,7 +123,7 @@ def test_sigkill_mid_decode_fails_every_open_request_once_and_health_turns_503(
     trace_path = tmp_path / "killed.trace"
     engine = _recorded_engine(tiny_model_dir, monkeypatch, "1:decode#2:kill", trace_path)
     ipc_dir = Path(engine._executor.address.removeprefix("ipc://")).parent
-    pids = list(engine._executor.rank_pids)
+    pids = list(rank_pids(engine._executor))
     client = TestClient(create_app(engine, tiny_model_dir))
     assert client.get("/health").status_code == 200
     params = GenerationParams(max_tokens=8, ignore_eos=True)
@@ -184,7 +194,7 @@ def test_exception_at_command_n_poisons_at_once(
         )
         assert took <= DEAD_RANK_DETECTION_S
         with pytest.raises(ExecutorPoisoned, match="^executor is poisoned: rank 0 failed during decode"):
-            ex.ping()
+            ex.call(Ping())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -207,7 +217,7 @@ def test_slow_reply_is_waited_for_then_ack_instead_of_payload_poisons(
         tokens = _prefill(ex, 1)
         assert time.monotonic() - started >= 0.4
         reason, _ = _poisoned(_decode, ex, tokens, len(PROMPT))
-        assert reason == "decode rank 0 returned acknowledgement instead of primary decode result"
+        assert reason == "decode rank 0 returned acknowledgement instead of primary decode reply"
 
 
 def test_corrupted_and_stale_replies_are_dropped_and_the_step_times_out(
@@ -257,7 +267,7 @@ def test_slot_occupancy_mismatch_poisons_with_a_state_error(
     with faulty_executor(tiny_model_dir, monkeypatch, "0:command#4:slot_mismatch") as ex:
         tokens = _prefill(ex, 1, 2)
         _decode(ex, tokens, len(PROMPT))
-        reason, _ = _poisoned(ex.drop, 1, Expectation.MUST_EXIST, SlotMove(2, 1, 0))
+        reason, _ = _poisoned(ex.call, DropRequest(1, Expectation.MUST_EXIST, SlotMove(2, 1, 0)))
         assert reason == (
             "rank 0 failed during drop request (drop request): "
             "request 1 lives in slot 0 but the scheduler dropped it from slot 1"

@@ -38,6 +38,7 @@ from phalanx.protocol import (
     pack_ids,
 )
 from phalanx.protocol.trace import Direction, read_trace
+from tests.runtime_helpers import rank_pids
 
 FRAMES_PER_SOCKET = 10_000
 FOREIGN = 0xFFFF_FFFF_0000  # xor-ed into the epoch: far more bits than a few flips can undo
@@ -155,11 +156,11 @@ def test_fuzz_rank_and_coordinator_sockets(
     ex = launch_executor(config)
     try:
         link = ex._link
-        (pid,) = ex.rank_pids
+        (pid,) = rank_pids(ex)
         # -- at the rank's command socket, through the coordinator's own ROUTER ---------------
         rank_frames = fuzz_frames(rng, ex.epoch, FRAMES_PER_SOCKET, to_rank=True)
         _send_all(link.sock.socket, link.ranks[0].identity, rank_frames)
-        ex.ping()  # queued behind every fuzz frame: once it is answered, all were handled
+        ex.call(Ping())  # queued behind every fuzz frame: once it is answered, all were handled
         # -- at the coordinator's reply socket, from a stranger's DEALER -----------------------
         stranger = zmq.Context.instance().socket(zmq.DEALER)
         stranger.setsockopt(zmq.SNDHWM, 0)
@@ -169,11 +170,11 @@ def test_fuzz_rank_and_coordinator_sockets(
         _send_all(stranger, None, reply_frames)
         deadline = time.monotonic() + 30
         while link.rejected_frames < FRAMES_PER_SOCKET and time.monotonic() < deadline:
-            ex.ping()
+            ex.call(Ping())
         stranger.close()
         assert link.rejected_frames == FRAMES_PER_SOCKET
         assert ex.poison_reason is None
-        ex.ping()
+        ex.call(Ping())
         os.kill(pid, 0)  # the rank is alive (ProcessLookupError otherwise)
     finally:
         ex.shutdown()

@@ -17,7 +17,15 @@ import pytest
 from phalanx.executor.errors import StartupError
 from phalanx.executor.launcher import launch_executor
 from phalanx.executor.precapture import phase_name
-from phalanx.protocol.messages import Expectation, Precapture, SlotMove, TokenResult
+from phalanx.protocol.messages import (
+    Decode,
+    DropRequest,
+    Expectation,
+    Precapture,
+    Prefill,
+    SlotMove,
+    TokenResult,
+)
 from phalanx.protocol.trace import read_trace
 from phalanx.worker import faults
 from tests.runtime_helpers import chunk, reference_generation, row, small_config
@@ -78,21 +86,23 @@ def _serve(ex) -> dict[int, list[int]]:
         for result in results:
             out[result.request_id - 1].append(result.token)
 
-    record(ex.prefill([chunk(i + 1, i, p, 0, True) for i, p in PROMPTS.items()]).results)
+    record(ex.call(Prefill([chunk(i + 1, i, p, 0, True) for i, p in PROMPTS.items()])).results)
 
     def decode(requests: list[int]) -> None:
         rows = [
             row(i + 1, i, slots[i], out[i][-1], len(PROMPTS[i]) + len(out[i]) - 1)
             for i in sorted(requests, key=slots.get)
         ]
-        record(ex.decode(rows).results)
+        record(ex.call(Decode(rows)).results)
 
     decode([0, 1, 2])
     decode([0, 1, 2])
-    ex.drop(2, Expectation.MUST_EXIST, SlotMove(3, 2, 1))  # request 1 retires; the last slot moves in
+    ex.call(
+        DropRequest(2, Expectation.MUST_EXIST, SlotMove(3, 2, 1))
+    )  # request 1 retires; the last slot moves in
     slots[2] = 1
     decode([0, 2])
-    ex.drop(1, Expectation.MUST_EXIST, SlotMove(3, 1, 0))
+    ex.call(DropRequest(1, Expectation.MUST_EXIST, SlotMove(3, 1, 0)))
     slots[2] = 0
     decode([2])
     return out

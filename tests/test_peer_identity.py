@@ -18,7 +18,7 @@ from phalanx.executor.launcher import launch_executor
 from phalanx.executor.runtime import Executor
 from phalanx.protocol import PROTOCOL_VERSION, ProtocolError, decode_envelope, encode
 from phalanx.protocol.auth import key_from_secret, rank_authenticator
-from phalanx.protocol.messages import Capacity, Hello, Ready, ReplyEnvelope
+from phalanx.protocol.messages import Capacity, Decode, Hello, Prefill, Ready, ReplyEnvelope
 from tests.runtime_helpers import chunk, free_port, row, small_config, start_attached_rank
 
 SECRET = "peer-identity-test-shared-secret"
@@ -90,8 +90,8 @@ def test_an_intruder_gets_no_command_and_a_second_claim_is_refused(
         coordinator.join(60)
         (ex,) = launched
         try:
-            (first,) = ex.prefill([chunk(1, 0, PROMPT, 0, True)]).results
-            ex.decode([row(1, 0, 0, first.token, len(PROMPT))])
+            (first,) = ex.call(Prefill([chunk(1, 0, PROMPT, 0, True)])).results
+            ex.call(Decode([row(1, 0, 0, first.token, len(PROMPT))]))
             assert ex.poison_reason is None
             assert _received(intruder) == ["Challenge"]  # its hello's answer, and nothing after it
         finally:

@@ -15,10 +15,11 @@ import pytest
 
 from phalanx.executor.errors import ExecutorPoisoned
 from phalanx.executor.launcher import launch_executor
-from phalanx.protocol.messages import Expectation
+from phalanx.protocol.messages import Decode, DropRequest, Expectation, Ping, Prefill
 from tests.runtime_helpers import (
     chunk,
     free_port,
+    rank_pids,
     reference_generation,
     row,
     small_config,
@@ -40,20 +41,20 @@ def test_torchrun_style_ranks_join_over_tcp_and_serve(
     ex = None
     try:
         ex = launch_executor(small_config(tiny_model_dir, 2, transport="tcp", attach=True, port=port))
-        assert ex.rank_pids == [None, None]  # not ours to kill: watched through heartbeats
+        assert rank_pids(ex) == [None, None]  # not ours to kill: watched through heartbeats
         want = reference_generation(tiny_model_dir, PROMPT, 2)
-        (first,) = ex.prefill([chunk(1, 0, PROMPT, 0, True)]).results
-        (second,) = ex.decode([row(1, 0, 0, first.token, len(PROMPT))]).results
+        (first,) = ex.call(Prefill([chunk(1, 0, PROMPT, 0, True)])).results
+        (second,) = ex.call(Decode([row(1, 0, 0, first.token, len(PROMPT))])).results
         assert [first.token, second.token] == [r.token for r in want]
         assert second.logprob == pytest.approx(want[1].logprob, abs=1e-4)
-        ex.drop(1, Expectation.MUST_EXIST)
+        ex.call(DropRequest(1, Expectation.MUST_EXIST))
 
         ranks[1].send_signal(signal.SIGKILL)
         ranks[1].wait(10)
         killed_at = time.monotonic()
         with pytest.raises(ExecutorPoisoned, match="rank 1"):
             while True:  # an idle executor notices at its next call
-                ex.ping()
+                ex.call(Ping())
                 time.sleep(0.1)
         assert time.monotonic() - killed_at < 2.5
         # The survivor was told to leave (Cancel) and exits non-zero on its own.

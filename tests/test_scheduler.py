@@ -10,13 +10,12 @@ import random
 import pytest
 from fake_ranks import FakeRanks, RankStateError
 
-from phalanx.protocol.messages import FED_TOKEN, NO_FEED, Capacity, Expectation, SlotMove, TokenResult
+from phalanx.protocol.messages import FED_TOKEN, NO_FEED, Capacity, Expectation, SlotMove
 from phalanx.scheduler.events import Event, FinishEvent, TokenEvent
 from phalanx.scheduler.pages import PagePool
 from phalanx.scheduler.requests import GenerationParams, Phase, Request
 from phalanx.scheduler.scheduler import Scheduler
 from phalanx.scheduler.slots import DenseSlots
-from phalanx.scheduler.step_contract import ArtifactError, align_results
 
 
 def make(
@@ -74,7 +73,7 @@ def run(sched: Scheduler, limit: int = 10_000) -> None:
 def assert_pools_full(ranks: FakeRanks, sched: Scheduler) -> None:
     stats = sched.stats()
     assert (stats.kv_pages_used, stats.slots_used, stats.running, stats.waiting) == (0, 0, 0, 0)
-    assert sched.pages.free == sched.pages.total
+    assert sched.planner.pages.free == sched.planner.pages.total
     assert ranks.live_requests() == set()
     assert ranks.slot_map == [None] * len(ranks.slot_map)
 
@@ -142,7 +141,7 @@ def test_retirement_compacts_the_last_slot_into_the_hole() -> None:
     sched.step()  # first decode: the short request reaches max_tokens
     drops = [args for kind, args in ranks.commands if kind == "drop"]
     assert drops == [(short.request_id, Expectation.MUST_EXIST, SlotMove(last.request_id, 2, 1))]
-    assert sched.slots.owners[1] == last.request_id
+    assert sched.planner.slots.owners[1] == last.request_id
     run(sched)
     assert_pools_full(ranks, sched)
 
@@ -217,8 +216,8 @@ def test_cancellation_in_every_phase_leaks_nothing(phase: str) -> None:
     elif phase == "admitted":
         # Cancel the blocker so the request is admitted, with the budget spent on nothing yet.
         sched.cancel(blocker.request_id)
-        sched._retire_cancelled()
-        sched._admit()
+        sched.applier.retire_cancelled()
+        sched.planner.admit()
         expectation = Expectation.MUST_BE_ABSENT
     else:
         steps = {"prefilling": 4, "ready": 6, "decoding": 7}[phase]
@@ -265,20 +264,7 @@ def test_completion_is_held_until_the_drop_is_acknowledged() -> None:
     with pytest.raises(RankStateError, match="injected drop failure"):
         sched.step()
     assert len(sink.tokens) == 1 and sink.finish is None
-    assert request in sched.open_requests()
-
-
-def test_artifact_alignment_errors() -> None:
-    ok = [TokenResult(2, 5), TokenResult(1, 4)]
-    assert {k: v.token for k, v in align_results("decode", ok, [1, 2]).items()} == {1: 4, 2: 5}
-    with pytest.raises(
-        ArtifactError, match="invalid decode artifact set: returned unknown or non-final request id 3"
-    ):
-        align_results("decode", [TokenResult(3, 1)], [1])
-    with pytest.raises(ArtifactError, match="returned duplicate request id 1"):
-        align_results("decode", [TokenResult(1, 1), TokenResult(1, 1)], [1])
-    with pytest.raises(ArtifactError, match="is missing final request id 2"):
-        align_results("prefill", [TokenResult(1, 1)], [1, 2])
+    assert sched.planner.requests[request.request_id] is request
 
 
 @pipelined
@@ -471,18 +457,6 @@ def test_pipelined_cancellation_waits_for_the_step_in_flight() -> None:
     assert sink.finish.reason == "cancelled" and 3 <= len(sink.tokens) < 20
     assert ranks.commands[-1] == ("drop", (request.request_id, Expectation.MUST_EXIST, None))
     assert_pools_full(ranks, sched)
-
-
-def test_pipelining_needs_an_executor_that_can_keep_a_step_in_flight() -> None:
-    class Blocking:
-        capacity = Capacity(8, 4, 2, 8)
-
-    with pytest.raises(
-        TypeError,
-        match="^pipelined decode needs send_decode, collect_decode, send_prefill, collect_prefill, "
-        "send_unified and collect_unified; Blocking has not$",
-    ):
-        Scheduler(Blocking(), (0,), pipeline=True)
 
 
 def test_dense_slots_and_page_pool_bookkeeping() -> None:

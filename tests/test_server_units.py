@@ -19,7 +19,7 @@ from fastapi.testclient import TestClient
 from phalanx.engine.engine import Engine, GenerationParams
 from phalanx.executor.errors import ExecutorPoisoned
 from phalanx.executor.model_info import ModelInfo
-from phalanx.protocol.messages import Capacity
+from phalanx.protocol.messages import Capacity, Decode
 from phalanx.server.app import create_app
 from phalanx.server.chat_template import ChatTemplate, ChatTemplateError
 from phalanx.server.detokenizer import IncrementalDetokenizer, StopMatcher, TextTokenizer
@@ -182,12 +182,13 @@ class PoisonableRanks(FakeRanks):
         self.fail = threading.Event()
         self.decode_delay_s = 0.0
 
-    def decode(self, rows):  # type: ignore[no-untyped-def]
-        time.sleep(self.decode_delay_s)
-        if self.fail.is_set():
-            self.poison_reason = "rank 1 failed during decode: injected"
-            raise ExecutorPoisoned(self.poison_reason)
-        return super().decode(rows)
+    def send(self, command):  # type: ignore[no-untyped-def]
+        if isinstance(command, Decode):
+            time.sleep(self.decode_delay_s)
+            if self.fail.is_set():
+                self.poison_reason = "rank 1 failed during decode: injected"
+                raise ExecutorPoisoned(self.poison_reason)
+        return super().send(command)
 
     def shutdown(self) -> bool:
         return True

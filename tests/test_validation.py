@@ -1,4 +1,4 @@
-"""Reply-set validation, collection and poison, with no processes: every contract text exactly."""
+"""Reply validation, collection and poison, with no processes: every contract text exactly."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import re
 import pytest
 
 from phalanx.executor.collect import RankFailed, StepCollection
-from phalanx.executor.errors import ExecutorPoisoned, ResponseError
+from phalanx.executor.errors import ExecutorPoisoned, ReplyError
 from phalanx.executor.poison import Poison
-from phalanx.executor.responses import (
+from phalanx.executor.replies import (
+    validate,
     validate_acks,
     validate_decode,
     validate_drop,
@@ -18,34 +19,66 @@ from phalanx.executor.responses import (
 )
 from phalanx.protocol import PROTOCOL_VERSION
 from phalanx.protocol.messages import (
+    NO_TOKEN,
     Ack,
+    Decode,
     DecodeDone,
+    DecodeRow,
     DropAck,
+    DropRequest,
     Expectation,
     Failed,
     Heartbeat,
+    Ping,
+    Prefill,
+    PrefillChunk,
     PrefillDone,
+    PromptLogprobs,
     ReplyEnvelope,
+    TokenResult,
+    Unified,
     UnifiedDone,
 )
+from phalanx.protocol.packing import pack_ids
 
 
 def _reply(rank: int, body, seq: int = 5) -> ReplyEnvelope:
     return ReplyEnvelope(PROTOCOL_VERSION, 1, rank, seq, body)
 
 
+def _rows(*request_ids: int) -> Decode:
+    return Decode([DecodeRow(rid, slot, 1, 3, pack_ids([0])) for slot, rid in enumerate(request_ids)])
+
+
+def _chunk(request_id: int, last: bool = True, prompt_logprobs: int | None = None) -> PrefillChunk:
+    next_token = NO_TOKEN if last else 7
+    return PrefillChunk(
+        request_id,
+        pack_ids([4, 5, 6]),
+        0,
+        pack_ids([0]),
+        last,
+        prompt_logprobs=prompt_logprobs,
+        next_token=next_token,
+    )
+
+
+NO_ROWS = Decode([])
+NO_CHUNKS = Prefill([])
+
+
 def _raises(text: str):
-    return pytest.raises(ResponseError, match=f"^{re.escape(text)}$")
+    return pytest.raises(ReplyError, match=f"^{re.escape(text)}$")
 
 
 def test_expected_count() -> None:
-    with _raises("decode expected 2 responses, got 1"):
-        validate_decode([_reply(0, DecodeDone([]))], 2)
+    with _raises("decode expected 2 replies, got 1"):
+        validate_decode(NO_ROWS, [_reply(0, DecodeDone([]))], 2)
 
 
 def test_out_of_range_rank() -> None:
     with _raises("prefill returned out-of-range rank 2 for world size 2"):
-        validate_prefill([_reply(0, PrefillDone([])), _reply(2, Ack())], 2)
+        validate_prefill(NO_CHUNKS, [_reply(0, PrefillDone([])), _reply(2, Ack())], 2)
 
 
 def test_duplicate_rank() -> None:
@@ -54,35 +87,65 @@ def test_duplicate_rank() -> None:
 
 
 def test_primary_must_be_the_typed_result() -> None:
-    with _raises("decode rank 0 returned acknowledgement instead of primary decode result"):
-        validate_decode([_reply(0, Ack()), _reply(1, Ack())], 2)
-    with _raises("unified rank 0 returned decode result instead of primary unified result"):
-        validate_unified([_reply(1, Ack()), _reply(0, DecodeDone([]))], 2)
+    with _raises("decode rank 0 returned acknowledgement instead of primary decode reply"):
+        validate_decode(NO_ROWS, [_reply(0, Ack()), _reply(1, Ack())], 2)
+    with _raises("unified rank 0 returned decode result instead of primary unified reply"):
+        validate_unified(Unified([], []), [_reply(1, Ack()), _reply(0, DecodeDone([]))], 2)
 
 
 def test_non_primary_must_acknowledge() -> None:
     with _raises("prefill non-primary rank 1 returned prefill result instead of acknowledgement"):
-        validate_prefill([_reply(0, PrefillDone([])), _reply(1, PrefillDone([]))], 2)
+        validate_prefill(NO_CHUNKS, [_reply(0, PrefillDone([])), _reply(1, PrefillDone([]))], 2)
 
 
 def test_valid_sets_pass_in_any_order() -> None:
-    done = DecodeDone([])
-    assert validate_decode([_reply(1, Ack()), _reply(0, done), _reply(2, Ack())], 3) is done
+    done = DecodeDone([TokenResult(2, 5), TokenResult(1, 4)])
+    assert validate(_rows(1, 2), [_reply(1, Ack()), _reply(0, done), _reply(2, Ack())], 3) is done
     unified = UnifiedDone([], [])
-    assert validate_unified([_reply(0, unified)], 1) is unified
+    assert validate_unified(Unified([], []), [_reply(0, unified)], 1) is unified
+    assert validate(Ping(), [_reply(1, Ack()), _reply(0, Ack())], 2) == Ack()
     validate_acks("ping", [_reply(1, Ack()), _reply(0, Ack())], 2)
+
+
+def test_a_token_reply_holds_one_token_per_row_and_last_chunk() -> None:
+    with _raises("invalid decode reply: returned unknown or non-final request id 3"):
+        validate(_rows(1), [_reply(0, DecodeDone([TokenResult(3, 1)]))], 1)
+    with _raises("invalid decode reply: returned duplicate request id 1"):
+        validate(_rows(1), [_reply(0, DecodeDone([TokenResult(1, 1), TokenResult(1, 1)]))], 1)
+    with _raises("invalid prefill reply: is missing final request id 2"):
+        validate(Prefill([_chunk(1), _chunk(2)]), [_reply(0, PrefillDone([TokenResult(1, 1)]))], 1)
+    with _raises("invalid prefill reply: returned unknown or non-final request id 1"):
+        validate(Prefill([_chunk(1, last=False)]), [_reply(0, PrefillDone([TokenResult(1, 1)]))], 1)
+    with _raises("invalid unified reply: is missing final request id 1"):
+        validate(Unified([_chunk(2)], _rows(1).rows), [_reply(0, UnifiedDone([TokenResult(2, 1)], []))], 1)
+
+
+def test_a_prefill_reply_holds_the_prompt_logprobs_each_chunk_asked_for() -> None:
+    command = Prefill([_chunk(1, last=False, prompt_logprobs=0), _chunk(2)])
+    span = PromptLogprobs(1, 1, [-0.5, -0.25, -1.0], [1, 2, 3])
+    assert validate(command, [_reply(0, PrefillDone([TokenResult(2, 9)], [span]))], 1).prompt_logprobs == [
+        span
+    ]
+    with _raises("invalid prefill reply: 0 prompt logprob spans for 1 chunks that asked"):
+        validate(command, [_reply(0, PrefillDone([TokenResult(2, 9)]))], 1)
+    short = PromptLogprobs(1, 1, [-0.5], [1])
+    with _raises(
+        "invalid prefill reply: prompt logprobs of request 1 from 1 (1) answer chunk of request 1 from 1 (3)"
+    ):
+        validate(command, [_reply(0, PrefillDone([TokenResult(2, 9)], [short]))], 1)
 
 
 def test_drop_expectations() -> None:
     agree = [_reply(0, DropAck(True)), _reply(1, DropAck(True))]
-    validate_drop(Expectation.MUST_EXIST, agree, 2)
+    exists, absent = DropRequest(1, Expectation.MUST_EXIST), DropRequest(1, Expectation.MUST_BE_ABSENT)
+    assert validate_drop(exists, agree, 2) == DropAck(True)
     with _raises("drop request expected MustBeAbsent, got rank existence [True, True]"):
-        validate_drop(Expectation.MUST_BE_ABSENT, agree, 2)
+        validate_drop(absent, agree, 2)
     mixed = [_reply(1, DropAck(False)), _reply(0, DropAck(True))]
     with _raises("drop request expected MustExist, got rank existence [True, False]"):
-        validate_drop(Expectation.MUST_EXIST, mixed, 2)
+        validate_drop(exists, mixed, 2)
     with _raises("drop request rank 0 returned acknowledgement instead of drop acknowledgement"):
-        validate_drop(Expectation.MUST_EXIST, [_reply(0, Ack())], 1)
+        validate(exists, [_reply(0, Ack())], 1)
 
 
 def test_collection_rejects_stale_seq_and_ignores_heartbeats() -> None:

@@ -20,7 +20,7 @@ import time
 from phalanx.executor.collect import StepCollection
 from phalanx.executor.link import RankLink
 from phalanx.executor.ranks import RankHandle
-from phalanx.executor.responses import validate_decode
+from phalanx.executor.replies import validate_decode
 from phalanx.protocol import PROTOCOL_VERSION, decode_envelope, encode
 from phalanx.protocol.messages import (
     Ack,
@@ -89,7 +89,7 @@ def measure(tp: int, iterations: int, warmup: int, rows: int, transport: str) ->
             while not collection.done:
                 for _identity, reply in link.wait(5.0, EPOCH):
                     collection.offer(reply)
-            validate_decode(collection.replies, tp)
+            validate_decode(decode, collection.replies, tp)
             if seq > warmup:
                 samples.append((time.perf_counter_ns() - started) / 1000)
         link.broadcast(encode(Envelope(PROTOCOL_VERSION, EPOCH, warmup + iterations + 1, Shutdown())))

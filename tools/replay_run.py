@@ -81,24 +81,13 @@ def recorded_outcome(step: Step) -> Outcome:
 
 
 def execute(ex: Executor, command: object) -> Outcome:
+    if not isinstance(command, Prefill | Decode | Unified | DropRequest | Ping):
+        raise ValueError(f"cannot replay {type(command).__name__}")
     try:
-        match command:
-            case Prefill(chunks=chunks):
-                return Outcome(results=list(ex.prefill(chunks).results))
-            case Decode(rows=rows):
-                return Outcome(results=list(ex.decode(rows).results))
-            case Unified(prefill=chunks, decode=rows):
-                done = ex.unified(chunks, rows)
-                return Outcome(results=list(done.prefill) + list(done.decode))
-            case DropRequest(request_id=rid, expectation=expectation, move=move):
-                ex.drop(rid, expectation, move)
-                return Outcome(results=[])
-            case Ping():
-                ex.ping()
-                return Outcome(results=[])
+        reply = ex.call(command)
     except ExecutorError as exc:
         return Outcome(failure=str(exc))
-    raise ValueError(f"cannot replay {type(command).__name__}")
+    return Outcome(results=_results(reply) or [])
 
 
 def _same_results(a: list[TokenResult], b: list[TokenResult]) -> bool:
