@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 from phalanx.executor.errors import ReplyError
 from phalanx.protocol.messages import (
+    COMMAND_NAMES,
     NO_TOKEN,
     REPLY_NAMES,
     Ack,
@@ -43,17 +44,6 @@ T = TypeVar("T")
 
 # What a validated step answers: rank 0's reply.
 StepReply = Ack | DropAck | PrefillDone | DecodeDone | UnifiedDone
-
-# How each command is named in error texts.
-COMMAND_NAMES: dict[type, str] = {
-    Ping: "ping",
-    Prefill: "prefill",
-    Decode: "decode",
-    Unified: "unified",
-    DropRequest: "drop request",
-    Precapture: "precapture",
-    Shutdown: "shutdown",
-}
 
 # How each expectation is spelled in error texts.
 EXPECTATION_NAMES: dict[Expectation, str] = {

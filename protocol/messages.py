@@ -303,6 +303,17 @@ class Shutdown(msgspec.Struct, frozen=True, tag="shutdown", tag_field="op"):
 Command = Ping | Prefill | Decode | Unified | DropRequest | Precapture | Shutdown
 CoordinatorMessage = Command | Challenge | Go | Cancel
 
+# How each command is named in error texts and logs.
+COMMAND_NAMES: dict[type, str] = {
+    Ping: "ping",
+    Prefill: "prefill",
+    Decode: "decode",
+    Unified: "unified",
+    DropRequest: "drop request",
+    Precapture: "precapture",
+    Shutdown: "shutdown",
+}
+
 # ---------------------------------------------------------------------------------------------
 # Replies (every rank -> coordinator)
 # ---------------------------------------------------------------------------------------------
