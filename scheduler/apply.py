@@ -71,14 +71,14 @@ class Applier:
         prompt's first token; returns the requests that finished, to retire."""
         decoded, prefilled, scored = reply_parts(reply)
         finished = self._take_decode(plan, decoded, ended)
-        self.publish_prompt_logprobs(scored)
+        self._publish_prompt_logprobs(scored)
         return finished + self._take_prefill(plan.chunks, prefilled)
 
     def take_first_tokens(self, plan: StepPlan, reply: Reply) -> dict[int, tuple[TokenEvent, FinishReason]]:
         """The reply to a prefill whose requests already hold their slots (their first decode
         was sent behind it): publish each first token; returns the requests it finished."""
         _, prefilled, scored = reply_parts(reply)
-        self.publish_prompt_logprobs(scored)
+        self._publish_prompt_logprobs(scored)
         tokens = {result.request_id: result for result in prefilled}
         ended: dict[int, tuple[TokenEvent, FinishReason]] = {}
         for request, _ in plan.chunks:
@@ -87,7 +87,7 @@ class Applier:
                 ended[request.request_id] = (event, reason)
         return ended
 
-    def publish_prompt_logprobs(self, scored: Sequence[PromptLogprobs]) -> None:
+    def _publish_prompt_logprobs(self, scored: Sequence[PromptLogprobs]) -> None:
         for span in scored:
             request = self.planner.requests.get(span.request_id)
             if request is not None:  # else retired meanwhile: nobody reads its stream

@@ -1,12 +1,15 @@
-"""``phalanx replay show|stats|diff`` over synthetic traces (``run`` is covered with real ranks)."""
+"""``phalanx replay show|stats|diff`` over synthetic traces; ``run`` over traces real ranks answered."""
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import json
 from pathlib import Path
 
 import pytest
 
+from phalanx.engine.engine import EngineConfig, FinishEvent, GenerationParams, launch
 from phalanx.protocol import (
     FED_TOKEN,
     PROTOCOL_VERSION,
@@ -32,6 +35,8 @@ from phalanx.protocol import (
     pack_ids,
 )
 from phalanx.protocol.trace import open_trace, read_trace
+from phalanx.scheduler.requests import Request
+from phalanx.scheduler.scheduler import Scheduler
 from phalanx.tools.cli import main as phalanx
 from phalanx.tools.replay import describe_body
 
@@ -201,6 +206,47 @@ def test_generate_record_then_replay_run_matches(
         "replayed 6 commands at tp=2: every reply matches" in capsys.readouterr().out
     )  # prefill, 4 decodes, drop
     assert phalanx(["replay", "diff", str(recorded), str(replayed)]) == 0
+
+
+def test_a_pipelined_scheduler_run_replays_reply_for_reply(
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Unified steps, fed rows, a prefill feeding its slot, prompt logprobs, a cancellation and
+    drops with compaction, as the scheduler sends them: a fresh launch answers every one alike."""
+    recorded = tmp_path / "scheduler.trace"
+    config = EngineConfig(
+        model_dir=tiny_model_dir, tp=2, kv_pages=32, page_size=4, max_slots=4, max_batch_tokens=16
+    )
+    executor = launch(dataclasses.replace(config, executor_options={"record": str(recorded)}))
+    events: list[object] = []
+    try:
+        scheduler = Scheduler(executor, (), pipeline=True)
+        for request_id in range(1, 5):
+            params = GenerationParams(
+                max_tokens=3 + 2 * request_id,
+                temperature=0.7 * (request_id % 2),
+                prompt_logprobs=1 if request_id == 2 else None,
+            )
+            prompt = list(range(request_id, 4 * request_id + 3))
+            scheduler.add(Request(request_id, prompt, params, events.append))
+        for tick in itertools.count():
+            if not scheduler.has_work():
+                break
+            scheduler.step()
+            if tick == 4:
+                scheduler.cancel(3)
+    finally:
+        executor.shutdown()
+    reasons = [event.reason for event in events if isinstance(event, FinishEvent)]
+    assert sorted(reasons) == ["cancelled", "length", "length", "length"]
+    sent = read_trace(recorded).sends()
+    assert {"prefill", "unified", "decode", "drop"} <= {entry.op for entry in sent}
+    rows = [row for e in sent if isinstance(e.message.body, Decode) for row in e.message.body.rows]
+    assert any(row.token == FED_TOKEN for row in rows)
+    capsys.readouterr()
+    argv = ["replay", "run", str(recorded), "--model", str(tiny_model_dir), "--tp", "2"]
+    assert phalanx(argv) == 0
+    assert "every reply matches" in capsys.readouterr().out
 
 
 def test_replay_comparison_reports_a_changed_token_and_a_lost_failure() -> None:
