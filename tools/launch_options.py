@@ -50,8 +50,9 @@ def model_dir_problem(model_dir: str | Path) -> str | None:
     return None
 
 
-def add_max_slots_argument(parser: argparse.ArgumentParser) -> None:
-    """``--max-slots``, with vLLM's name ``--max-num-seqs`` beside it."""
+def add_batch_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--max-slots`` (with vLLM's name ``--max-num-seqs`` beside it), ``--page-size`` and
+    ``--max-batch-tokens``: what one step holds, for serve and for a worker alike."""
     parser.add_argument(
         "--max-slots",
         "--max-num-seqs",
@@ -60,6 +61,13 @@ def add_max_slots_argument(parser: argparse.ArgumentParser) -> None:
         default=None,
         help=f"requests decoding at once (default: {SchedulingConfig.max_slots} on cpu; on cuda up to 256, "
         "the largest graph bucket, while their states take at most half of the cache memory)",
+    )
+    parser.add_argument("--page-size", type=int, default=CacheConfig.page_size, help="tokens per KV page")
+    parser.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=SchedulingConfig.max_batch_tokens,
+        help="tokens of one prefill step",
     )
 
 

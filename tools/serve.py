@@ -27,14 +27,14 @@ import structlog
 from setproctitle import setproctitle
 
 from phalanx.config import settings
-from phalanx.config.replica import CacheConfig, ParallelConfig, SchedulingConfig, Timeouts
+from phalanx.config.replica import ParallelConfig, Timeouts
 from phalanx.executor.errors import ExecutorError
 from phalanx.server.body_limit import DEFAULT_MAX_BODY_BYTES
 from phalanx.tools.launch_options import (
     LaunchChoice,
+    add_batch_arguments,
     add_launch_arguments,
     add_log_arguments,
-    add_max_slots_argument,
     add_model_arguments,
     checked_number,
     choose_launch,
@@ -67,14 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--served-model-name", default=None, help="model id in the API (default: directory name)"
     )
-    add_max_slots_argument(parser)
-    parser.add_argument("--page-size", type=int, default=CacheConfig.page_size, help="tokens per KV page")
-    parser.add_argument(
-        "--max-batch-tokens",
-        type=int,
-        default=SchedulingConfig.max_batch_tokens,
-        help="tokens of one prefill step",
-    )
+    add_batch_arguments(parser)
     parser.add_argument(
         "--default-max-tokens",
         type=int,

@@ -29,8 +29,8 @@ from phalanx.config.replica import (
 )
 from phalanx.tools.launch_options import (
     DEVICE_HELP,
+    add_batch_arguments,
     add_log_arguments,
-    add_max_slots_argument,
     memory_fraction,
 )
 
@@ -59,19 +59,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="torch dtype name (default: float32 on cpu, bfloat16 on cuda)",
     )
     parser.add_argument("--kv-pages", type=int, default=0, help="KV pages cap (0 on cuda: as many as fit)")
-    parser.add_argument("--page-size", type=int, default=CacheConfig.page_size, help="tokens per KV page")
-    add_max_slots_argument(parser)
+    add_batch_arguments(parser)
     parser.add_argument(
         "--gpu-memory-utilization",
         type=memory_fraction,
         default=CacheConfig.gpu_memory_utilization,
         help="fraction of the GPU's memory this rank may use",
-    )
-    parser.add_argument(
-        "--max-batch-tokens",
-        type=int,
-        default=SchedulingConfig.max_batch_tokens,
-        help="tokens of one prefill step",
     )
     parser.add_argument(
         "--dist-init-timeout",
