@@ -19,7 +19,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 _AS_MANY_AS_FIT = "{name} must be positive (0 means 'as many as fit' on cuda only), got {value}"
 
 
-def check_choice(what: str, value: str, choices: tuple[str, ...]) -> None:
+def _check_choice(what: str, value: str, choices: tuple[str, ...]) -> None:
     """ValueError ``WHAT must be one of A, B, got 'VALUE'`` unless ``value`` is one of ``choices``."""
     if value not in choices:
         raise ValueError(f"{what} must be one of {', '.join(choices)}, got {value!r}")
@@ -56,8 +56,8 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         if self.tp < 1:
             raise ValueError(f"tp must be at least 1, got {self.tp}")
-        check_choice("device", self.device, DEVICES)
-        check_choice("transport", self.transport, TRANSPORTS)
+        _check_choice("device", self.device, DEVICES)
+        _check_choice("transport", self.transport, TRANSPORTS)
         if self.attach and self.transport != "tcp":
             raise ValueError("attached ranks (started by torchrun/SLURM) need transport 'tcp'")
 
@@ -116,8 +116,8 @@ class LogConfig:
     record: str | None = None  # append every frame sent and received to this trace (phalanx replay)
 
     def __post_init__(self) -> None:
-        check_choice("log format", self.log_format, LOG_FORMATS)
-        check_choice("log level", self.log_level, LOG_LEVELS)
+        _check_choice("log format", self.log_format, LOG_FORMATS)
+        _check_choice("log level", self.log_level, LOG_LEVELS)
 
 
 SECTIONS: dict[str, type] = {
@@ -158,14 +158,12 @@ class ReplicaConfig:
                 flat[SECTION_OF[name]][name] = value
         for section, kind in SECTIONS.items():
             base = given.get(section)
-            if base is None:
-                value = kind(**flat[section])
-            else:
-                value = dataclasses.replace(base, **flat[section]) if flat[section] else base
+            value = kind(**flat[section]) if base is None else dataclasses.replace(base, **flat[section])
             object.__setattr__(self, section, value)
         self._check_across_sections()
 
     def __getattr__(self, name: str) -> Any:
+        """A field by its flat name: ``config.step_timeout`` is ``config.timeouts.step_timeout``."""
         section = SECTION_OF.get(name)
         if section is None:
             raise AttributeError(f"ReplicaConfig has no field {name!r}")
