@@ -93,7 +93,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--api-key",
         default=settings.api_key(),
         help="every route but /health and /metrics wants 'Authorization: Bearer KEY' "
-        "(default: $PHALANX_API_KEY; unset: no key is asked for)",
+        f"(default: ${settings.API_KEY}; unset: no key is asked for)",
     )
     parser.add_argument(
         "--chat-template",
@@ -130,7 +130,7 @@ def curl_line(base: str, model: str, chat: bool = True, with_key: bool = False) 
     else:
         route, body = "completions", {"model": model, "prompt": "Hello! My name is"}
     body["max_tokens"] = 32
-    auth = ' -H "Authorization: Bearer $PHALANX_API_KEY"' if with_key else ""
+    auth = f' -H "Authorization: Bearer ${settings.API_KEY}"' if with_key else ""
     return (
         f"curl {base}/v1/{route} -H 'Content-Type: application/json'{auth} -d {shlex.quote(json.dumps(body))}"
     )
