@@ -16,12 +16,13 @@ import numbers
 import queue
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import structlog
 
+from phalanx.config.replica import ReplicaConfig, Timeouts
 from phalanx.engine.stream import RequestStream
 from phalanx.executor.errors import ExecutorPoisoned
 from phalanx.protocol.messages import Ping
@@ -49,26 +50,8 @@ log = structlog.get_logger("phalanx.engine")
 EngineStats = SchedulerStats
 
 
-@dataclass(frozen=True)
-class EngineConfig:
-    model_dir: str | Path
-    tp: int = 1
-    device: str = "cpu"
-    max_slots: int = 16
-    kv_pages: int = 512
-    page_size: int = 16
-    max_batch_tokens: int = 2048
-    gpu_memory_utilization: float = 0.9
-    max_model_len: int = 0  # 0: the checkpoint's max_position_embeddings
-    dtype: str = ""  # a torch dtype name; "" picks float32 on CPU, bfloat16 on CUDA
-    step_timeout: float = 300.0
-    startup_timeout: float = 120.0
-    cuda_graph: bool = False
-    # Send each decode step before reading the last one's result (scheduler.scheduler).
-    pipeline: bool = True
-    transport: str = "ipc"
-    idle_ping_interval: float = 5.0  # an idle engine pings the ranks this often, to notice a dead one
-    executor_options: dict[str, Any] = field(default_factory=dict)  # further ExecutorConfig fields
+# The engine launches one replica: its config is the replica's tree, every default written there.
+EngineConfig = ReplicaConfig
 
 
 @dataclass(frozen=True)
@@ -94,25 +77,9 @@ class EngineExecutor(StepExecutor, Protocol):
 
 
 def launch(config: EngineConfig) -> EngineExecutor:
-    from phalanx.executor.launcher import ExecutorConfig, launch_executor
+    from phalanx.executor.launcher import launch_executor
 
-    fields: dict[str, Any] = dict(
-        model_dir=str(config.model_dir),
-        tp=config.tp,
-        device=config.device,
-        max_slots=config.max_slots,
-        kv_pages=config.kv_pages,
-        page_size=config.page_size,
-        max_batch_tokens=config.max_batch_tokens,
-        gpu_memory_utilization=config.gpu_memory_utilization,
-        dtype=config.dtype,
-        step_timeout=config.step_timeout,
-        startup_timeout=config.startup_timeout,
-        cuda_graph=config.cuda_graph,
-        transport=config.transport,
-    )
-    fields.update(config.executor_options)  # explicit ExecutorConfig fields win
-    return launch_executor(ExecutorConfig(**fields))
+    return launch_executor(config)
 
 
 _STOP = object()
@@ -123,7 +90,7 @@ class Engine:
         self,
         executor: EngineExecutor,
         model_dir: str | Path = "",
-        idle_ping_interval: float = 5.0,
+        idle_ping_interval: float = Timeouts.idle_ping_interval,
         *,
         pipeline: bool = False,
         max_model_len: int = 0,
@@ -167,10 +134,10 @@ class Engine:
         try:
             return cls(
                 executor,
-                config.model_dir,
-                config.idle_ping_interval,
-                pipeline=config.pipeline,
-                max_model_len=config.max_model_len,
+                config.model.model_dir,
+                config.timeouts.idle_ping_interval,
+                pipeline=config.scheduling.pipeline,
+                max_model_len=config.model.max_model_len,
             )
         except BaseException:
             executor.shutdown()

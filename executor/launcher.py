@@ -8,6 +8,7 @@ import secrets
 
 import structlog
 
+from phalanx.config import settings
 from phalanx.executor.config import ExecutorConfig
 from phalanx.executor.errors import StartupError
 from phalanx.executor.gate import FIRST_PING_SEQ, run_startup_gate
@@ -17,8 +18,8 @@ from phalanx.executor.model_info import read_model_info
 from phalanx.executor.precapture import precapture_decode_graphs
 from phalanx.executor.ranks import RankHandle
 from phalanx.executor.runtime import Executor
-from phalanx.protocol.auth import coordinator_authenticator, key_from_secret, new_key, shared_secret_from_env
-from phalanx.protocol.launch import WORKER_ENTRY, WorkerConfig, WorkerLimits, encode_config, run_entry
+from phalanx.protocol.auth import coordinator_authenticator, key_from_secret, new_key
+from phalanx.protocol.launch import WORKER_ENTRY, encode_config, rank_config, run_entry
 from phalanx.protocol.trace import open_trace
 from phalanx.protocol.transport import CoordinatorSocket, RuntimeDir, tcp_address
 
@@ -33,42 +34,18 @@ COLLECTIVE_SHARE_OF_STEP = 0.8
 
 def _auth_key(config: ExecutorConfig) -> bytes | None:
     """TCP frames are authenticated: a fresh key for spawned ranks, the shared secret's otherwise."""
-    if config.transport != "tcp":
+    if config.parallel.transport != "tcp":
         return None
-    return key_from_secret(shared_secret_from_env()) if config.attach else new_key()
+    return key_from_secret(settings.shared_secret()) if config.parallel.attach else new_key()
 
 
 def _spawn_ranks(config: ExecutorConfig, address: str, epoch: int, key: bytes | None) -> list[RankHandle]:
     context = multiprocessing.get_context("spawn")
-    limits = WorkerLimits(
-        config.kv_pages,
-        config.page_size,
-        config.max_slots,
-        config.max_batch_tokens,
-        config.gpu_memory_utilization,
-    )
     ranks = []
-    for rank in range(config.tp):
-        worker_config = WorkerConfig(
-            model_dir=str(config.model_dir),
-            rank=rank,
-            world_size=config.tp,
-            coordinator=address,
-            limits=limits,
-            device=config.device,
-            local_rank=rank,
-            dtype=config.dtype,
-            epoch=epoch,
-            dist_init_timeout=config.dist_init_timeout,
-            gate_timeout=config.startup_timeout,
-            log_level=config.log_level,
-            log_format=config.log_format,
-            cuda_graph=config.cuda_graph,
-            auth_key=key.hex() if key else "",
-        )
+    for rank in range(config.parallel.tp):
         process = context.Process(
             target=run_entry,
-            args=(WORKER_ENTRY, encode_config(worker_config)),
+            args=(WORKER_ENTRY, encode_config(rank_config(config, rank, rank, address, epoch, key))),
             name=f"phalanx-rank-{rank}",
             daemon=True,
         )
@@ -79,41 +56,42 @@ def _spawn_ranks(config: ExecutorConfig, address: str, epoch: int, key: bytes | 
 
 def launch_executor(config: ExecutorConfig) -> Executor:
     """Start every rank and return once all serve; raises StartupError (every rank stopped)."""
-    configure_logging(config.log_level, config.log_format)
-    model_info = read_model_info(config.model_dir)
+    configure_logging(config.log.log_level, config.log.log_format)
+    model_info = read_model_info(config.model.model_dir)
     epoch = secrets.randbits(62) | 1
     bind(epoch, 0)
+    parallel = config.parallel
     # Spawned ranks share this host: their sockets and rendezvous file live in a private directory.
-    runtime_dir = None if config.attach else RuntimeDir()
-    if config.transport == "ipc" and runtime_dir is not None:
+    runtime_dir = None if parallel.attach else RuntimeDir()
+    if parallel.transport == "ipc" and runtime_dir is not None:
         address = runtime_dir.ipc_address()
     else:
-        address = tcp_address(config.host, config.port)
+        address = tcp_address(parallel.host, parallel.port)
     key = _auth_key(config)
-    sock = CoordinatorSocket(address, coordinator_authenticator(key, config.tp) if key else None)
-    if config.attach:
-        log.info("waiting for ranks to connect", address=sock.address, world_size=config.tp)
-        ranks = [RankHandle(rank) for rank in range(config.tp)]
+    sock = CoordinatorSocket(address, coordinator_authenticator(key, parallel.tp) if key else None)
+    if parallel.attach:
+        log.info("waiting for ranks to connect", address=sock.address, world_size=parallel.tp)
+        ranks = [RankHandle(rank) for rank in range(parallel.tp)]
         dist_init_method = "env://"
     else:
         ranks = _spawn_ranks(config, sock.address, epoch, key)
         # A file store, not a TCPStore: rank 0's TCPStore would listen on every interface.
         dist_init_method = f"file://{runtime_dir.path}/dist-store"
     trace = (
-        open_trace(config.record, epoch=epoch, world_size=config.tp, meta=vars(config))
-        if config.record
+        open_trace(config.log.record, epoch=epoch, world_size=parallel.tp, meta=config.flat())
+        if config.log.record
         else None
     )
-    link = RankLink(sock, ranks, config.heartbeat_timeout, trace)
-    backend = "nccl" if config.device == "cuda" else "gloo"
+    link = RankLink(sock, ranks, config.timeouts.heartbeat_timeout, trace)
+    backend = "nccl" if parallel.device == "cuda" else "gloo"
     try:
         capacity = run_startup_gate(
             link,
             epoch,
-            config.startup_timeout,
+            config.timeouts.startup_timeout,
             dist_init_method,
             backend,
-            collective_timeout=config.step_timeout * COLLECTIVE_SHARE_OF_STEP,
+            collective_timeout=config.timeouts.step_timeout * COLLECTIVE_SHARE_OF_STEP,
         )
     except BaseException as exc:
         stopped = not isinstance(exc, Exception)  # Ctrl-C or SIGTERM: the caller reports the stop
@@ -137,11 +115,11 @@ def launch_executor(config: ExecutorConfig) -> Executor:
         raise error from exc
     executor = Executor(config, link, epoch, capacity, model_info, runtime_dir, FIRST_PING_SEQ)
     try:
-        if config.cuda_graph:
+        if config.model.cuda_graph:
             precapture_decode_graphs(executor)
         log.info(
             "executor serving",
-            world_size=config.tp,
+            world_size=parallel.tp,
             capacity=capacity,
             address=sock.address,
             launch_epoch=epoch,

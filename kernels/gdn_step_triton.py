@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from phalanx.config import settings
 from phalanx.kernels.conv1d_triton import (
     causal_conv1d_decode_triton,
     conv_decode_arguments,
@@ -69,10 +70,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # 80 against 104 µs at 64 (every fused program convolves its key head's q and k itself, traffic
 # the conv kernel does once). Eager decode at batch 1, bound by host time, gained from the fused
 # kernel's one launch where split takes two: 7.38 against 7.66 ms.
-GDN_PATHS = ("split", "fused")
-GDN_PATH = os.environ.get("PHALANX_GDN", "split").strip().lower() or "split"
-if GDN_PATH not in GDN_PATHS:
-    raise ValueError(f"PHALANX_GDN={GDN_PATH!r} is not one of {', '.join(GDN_PATHS)}")
+GDN_PATH = settings.gdn_path()
 
 
 @triton.jit

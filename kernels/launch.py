@@ -41,6 +41,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from phalanx.config import settings
+
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _INT32 = 1 << 31
 _Tensor = torch.Tensor
@@ -50,7 +52,7 @@ _Tensor = torch.Tensor
 def pdl_enabled() -> bool:
     """Whether decode kernels launch with PDL: on a CUDA GPU of compute capability 9 or later, not
     under the interpreter, unless ``PHALANX_PDL=0``. Asked at launch time only (it reads the GPU)."""
-    if _INTERPRET or os.environ.get("PHALANX_PDL", "1").strip() == "0":
+    if _INTERPRET or not settings.pdl_allowed():
         return False
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 

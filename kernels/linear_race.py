@@ -17,13 +17,13 @@ to cuBLAS for the life of that process (2026-12-01).
 from __future__ import annotations
 
 import functools
-import os
 import statistics
 from collections.abc import Callable
 
 import structlog
 import torch
 
+from phalanx.config import settings
 from phalanx.kernels.launch import pdl_enabled
 
 log = structlog.get_logger(__name__)
@@ -49,7 +49,7 @@ def cublas_beats_triton(
 ) -> bool:
     """Whether cuBLAS beats the tuned Triton kernel on this key (``shape`` and ``config`` name it
     in the log line). ``PHALANX_LINEAR=triton`` skips the race."""
-    if os.environ.get("PHALANX_LINEAR", "auto").strip().lower() == "triton":
+    if settings.linear_backend() == "triton":
         return False
     triton_us, cublas_us = _race_us(triton_run, cublas_run)
     pdl_credit_us = _PDL_CREDIT_US if pdl_enabled() else 0.0

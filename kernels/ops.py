@@ -7,13 +7,13 @@ never imports CUDA-only code. Signatures and semantics are the contract in each 
 from __future__ import annotations
 
 import importlib
-import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from phalanx.config import settings
 from phalanx.kernels.activation import silu_and_mul_ref
 from phalanx.kernels.attention import paged_decode_attention_ref, paged_prefill_attention_ref
 from phalanx.kernels.conv1d import causal_conv1d_decode_ref, causal_conv1d_prefill_ref
@@ -66,10 +66,7 @@ _triton_cache: dict[str, Callable[..., Any]] = {}
 # the batch is wide enough for cuBLAS's tiles. PHALANX_LINEAR=cublas|triton|auto (read once, here)
 # forces one side for A/B runs; "triton" uses Triton at every M.
 LINEAR_TRITON_MAX_M = 64
-LINEAR_BACKENDS = ("auto", "cublas", "triton")
-LINEAR_BACKEND = os.environ.get("PHALANX_LINEAR", "auto").strip().lower() or "auto"
-if LINEAR_BACKEND not in LINEAR_BACKENDS:
-    raise ValueError(f"PHALANX_LINEAR={LINEAR_BACKEND!r} is not one of {', '.join(LINEAR_BACKENDS)}")
+LINEAR_BACKEND = settings.linear_backend()
 _TRITON_LINEAR_DTYPES = (torch.bfloat16, torch.float16)
 
 

@@ -44,6 +44,8 @@ from typing import Any
 import structlog
 import triton
 
+from phalanx.config import settings
+
 log = structlog.get_logger(__name__)
 
 _MAX_WORKERS = 16
@@ -55,12 +57,9 @@ _Prune = Callable[..., list[triton.Config]]
 
 def default_workers(ranks_here: int) -> int:
     """Compile workers for one rank: ``PHALANX_COMPILE_WORKERS``, else its share of the cores."""
-    configured = os.environ.get("PHALANX_COMPILE_WORKERS", "").strip()
-    if configured:
-        workers = int(configured)
-        if workers < 0:
-            raise ValueError(f"PHALANX_COMPILE_WORKERS must be 0 or more, not {workers}")
-        return workers
+    configured = settings.compile_workers()
+    if configured is not None:
+        return configured
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, min(_MAX_WORKERS, cores // max(1, ranks_here)))
 

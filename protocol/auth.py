@@ -23,12 +23,12 @@ from __future__ import annotations
 import collections
 import hmac
 import itertools
-import os
 import secrets
 import struct
 import threading
 from collections.abc import Iterable
 
+from phalanx.config import settings
 from phalanx.protocol.errors import ProtocolError
 from phalanx.protocol.transport import Framer
 
@@ -37,7 +37,7 @@ COORDINATOR = 0xFFFFFFFF
 KEY_BYTES = 32
 TAG_BYTES = 32
 REPLAY_WINDOW = 4096
-SECRET_ENV = "PHALANX_SECRET"
+SECRET_ENV = settings.SECRET  # named in the errors of a secret that differs
 
 _HEADER = struct.Struct("<BIQ")
 _WINDOW_MASK = (1 << REPLAY_WINDOW) - 1
@@ -59,16 +59,6 @@ def key_from_secret(secret: bytes) -> bytes:
     """The control-plane key of ranks started elsewhere, which share only ``secret``."""
     _check_secret(secret)
     return hmac.digest(secret, b"phalanx control key", "sha256")
-
-
-def shared_secret_from_env() -> bytes:
-    secret = os.environ.get(SECRET_ENV, "").encode()
-    if len(secret) < 16:
-        raise ValueError(
-            f"the TCP control plane with ranks started elsewhere needs a shared secret: set {SECRET_ENV} "
-            "(at least 16 bytes) for the coordinator and every rank"
-        )
-    return secret
 
 
 def _check_secret(secret: bytes) -> None:

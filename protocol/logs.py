@@ -27,8 +27,7 @@ import msgspec
 import structlog
 from structlog.types import EventDict, Processor
 
-LOG_FORMATS = ("console", "json")
-LOG_LEVELS = ("debug", "info", "warning", "error")
+from phalanx.config.replica import LOG_FORMATS, LOG_LEVELS
 
 _EVENT_WIDTH = 30
 _HIDDEN_IN_CONSOLE = frozenset({"timestamp", "level", "rank", "epoch", "seq", "event", "logger"})

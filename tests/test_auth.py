@@ -9,6 +9,7 @@ import pytest
 import zmq
 from log_lines import rank_records
 
+from phalanx.config import settings
 from phalanx.executor.launcher import ExecutorConfig, launch_executor
 from phalanx.protocol import (
     PROTOCOL_VERSION,
@@ -32,7 +33,6 @@ from phalanx.protocol.auth import (
     key_from_secret,
     new_key,
     rank_authenticator,
-    shared_secret_from_env,
 )
 from phalanx.protocol.errors import ProtocolError
 
@@ -125,9 +125,9 @@ def test_launch_keys_differ_per_epoch() -> None:
 def test_attached_ranks_need_a_shared_secret(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PHALANX_SECRET", raising=False)
     with pytest.raises(ValueError, match="needs a shared secret: set PHALANX_SECRET"):
-        shared_secret_from_env()
+        settings.shared_secret()
     monkeypatch.setenv("PHALANX_SECRET", "a" * 16)
-    assert shared_secret_from_env() == b"a" * 16
+    assert settings.shared_secret() == b"a" * 16
 
 
 # ---------------------------------------------------------------------------------------------

@@ -103,7 +103,7 @@ def _recorded_engine(
             model_dir=model_dir,
             tp=2,
             step_timeout=10.0,
-            executor_options={"record": str(trace_path)},
+            record=str(trace_path),
             **LIMITS,
         )
     )

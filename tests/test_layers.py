@@ -10,16 +10,28 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 # Each layer and the layers it may import (README, "How it is built").
+# ``config`` is the bottom layer: it imports none, and every layer may import it.
 ALLOWED: dict[str, set[str]] = {
-    "protocol": set(),
-    "kernels": set(),
-    "models": {"kernels"},
-    "worker": {"protocol", "models", "kernels"},
-    "executor": {"protocol"},
-    "scheduler": {"protocol"},
-    "engine": {"scheduler", "executor", "protocol"},
-    "server": {"engine", "protocol"},
-    "tools": {"protocol", "kernels", "models", "worker", "executor", "scheduler", "engine", "server"},
+    "config": set(),
+    "protocol": {"config"},
+    "kernels": {"config"},
+    "models": {"config", "kernels"},
+    "worker": {"config", "protocol", "models", "kernels"},
+    "executor": {"config", "protocol"},
+    "scheduler": {"config", "protocol"},
+    "engine": {"config", "scheduler", "executor", "protocol"},
+    "server": {"config", "engine", "protocol"},
+    "tools": {
+        "config",
+        "protocol",
+        "kernels",
+        "models",
+        "worker",
+        "executor",
+        "scheduler",
+        "engine",
+        "server",
+    },
 }
 
 

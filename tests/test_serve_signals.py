@@ -127,7 +127,7 @@ def test_a_rank_stuck_in_a_call_still_leaves_after_the_sigterm_grace() -> None:
 _LEAVES_WITHOUT_SHUTDOWN = """
 import sys
 from phalanx.engine.engine import Engine, EngineConfig
-config = EngineConfig(model_dir=sys.argv[1], tp=2, kv_pages=64, executor_options={"log_format": "json"})
+config = EngineConfig(model_dir=sys.argv[1], tp=2, kv_pages=64, log_format="json")
 engine = Engine.start(config)
 print("started", flush=True)
 sys.exit(0)  # no shutdown: as when a signal lands before the caller's ``with`` takes the engine

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from phalanx.engine.engine import Engine, EngineConfig, ErrorEvent, FinishEvent, GenerationParams, TokenEvent
+from phalanx.config.replica import ParallelConfig
+from phalanx.engine.engine import Engine, ErrorEvent, FinishEvent, GenerationParams, TokenEvent
 from phalanx.executor.errors import ExecutorError
 from phalanx.executor.logs import configure_logging
 from phalanx.executor.model_info import read_model_info
@@ -23,8 +24,8 @@ from phalanx.tools.launch_options import (
     add_log_arguments,
     add_model_arguments,
     choose_launch,
-    executor_options,
     model_dir_problem,
+    replica_config,
 )
 
 
@@ -37,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--tensor-parallel-size",
         dest="tp",
         type=int,
-        default=1,
+        default=ParallelConfig.tp,
         help="tensor-parallel degree (ranks)",
     )
     add_model_arguments(parser)
@@ -113,14 +114,7 @@ def _generate(args: argparse.Namespace) -> int:
             f"prompt of {len(prompt_ids)} tokens plus max_tokens {params.max_tokens} exceeds the "
             f"model context of {context} tokens"
         )
-    config = EngineConfig(
-        model_dir=model_dir,
-        tp=args.tp,
-        pipeline=args.pipeline,
-        executor_options=executor_options(args),
-        **choice.engine_fields(),
-    )
-    with Engine.start(config) as engine:
+    with Engine.start(replica_config(args, Path(model_dir), args.tp, choice)) as engine:
         events = list(engine.submit(prompt_ids, params))
     final = events[-1]
     if isinstance(final, ErrorEvent):

@@ -1,6 +1,7 @@
 """Launch flags shared by ``phalanx serve`` and ``phalanx generate``: device, dtype, graphs and
-memory, recording, attached ranks, the log flags, and the checks both make before paying for a
-launch."""
+memory, recording, attached ranks, the log flags, the checks both make before paying for a
+launch, and the replica config they describe. Their defaults are the config tree's
+(``phalanx.config.replica``)."""
 
 from __future__ import annotations
 
@@ -13,15 +14,22 @@ from urllib.parse import urlsplit
 
 import structlog
 
+from phalanx.config.replica import (
+    LOG_FORMATS,
+    LOG_LEVELS,
+    CacheConfig,
+    LogConfig,
+    ModelConfig,
+    ParallelConfig,
+    ReplicaConfig,
+    SchedulingConfig,
+)
 from phalanx.executor.model_info import ModelInfoError, read_model_info
-from phalanx.protocol.logs import LOG_FORMATS, LOG_LEVELS
 
 log = structlog.get_logger("phalanx.launch")
 T = TypeVar("T", int, float)
 
 DEVICE_HELP = "where the ranks run: cuda (one GPU per rank, NCCL) or cpu (gloo)"
-CPU_KV_PAGES = 512
-CPU_MAX_SLOTS = 16
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
@@ -42,16 +50,24 @@ def model_dir_problem(model_dir: str | Path) -> str | None:
     return None
 
 
-def add_max_slots_argument(parser: argparse.ArgumentParser) -> None:
-    """``--max-slots``, with vLLM's name ``--max-num-seqs`` beside it."""
+def add_batch_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--max-slots`` (with vLLM's name ``--max-num-seqs`` beside it), ``--page-size`` and
+    ``--max-batch-tokens``: what one step holds, for serve and for a worker alike."""
     parser.add_argument(
         "--max-slots",
         "--max-num-seqs",
         dest="max_slots",
         type=positive_int,
         default=None,
-        help="requests decoding at once (default: 16 on cpu; on cuda up to 256, the largest graph "
-        "bucket, while their states take at most half of the cache memory)",
+        help=f"requests decoding at once (default: {SchedulingConfig.max_slots} on cpu; on cuda up to 256, "
+        "the largest graph bucket, while their states take at most half of the cache memory)",
+    )
+    parser.add_argument("--page-size", type=int, default=CacheConfig.page_size, help="tokens per KV page")
+    parser.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=SchedulingConfig.max_batch_tokens,
+        help="tokens of one prefill step",
     )
 
 
@@ -78,10 +94,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--gpu-memory-utilization",
         type=memory_fraction,
-        default=0.9,
+        default=CacheConfig.gpu_memory_utilization,
         metavar="F",
         help="fraction of each GPU's memory a rank may use; the KV cache gets what the weights, "
-        "activations and CUDA graphs leave (default: 0.9)",
+        f"activations and CUDA graphs leave (default: {CacheConfig.gpu_memory_utilization})",
     )
     parser.add_argument(
         "--max-model-len",
@@ -95,7 +111,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-pages",
         type=positive_int,
         default=None,
-        help=f"KV pages per rank (default: {CPU_KV_PAGES} on cpu; on cuda as many as memory allows)",
+        help=f"KV pages per rank (default: {CacheConfig.kv_pages} on cpu; on cuda as many as memory allows)",
     )
 
 
@@ -121,7 +137,7 @@ def positive_int(text: str) -> int:
 
 @dataclass(frozen=True)
 class LaunchChoice:
-    """What the flags and the machine decide for a launch (EngineConfig's fields)."""
+    """What the flags and the machine decide for a launch (see ``replica_config``)."""
 
     device: str
     dtype: str  # a torch dtype name
@@ -130,9 +146,6 @@ class LaunchChoice:
     max_slots: int  # 0 on cuda: as many as memory and the graph buckets allow
     max_model_len: int  # 0: the checkpoint's
     gpu_memory_utilization: float
-
-    def engine_fields(self) -> dict[str, Any]:
-        return dict(vars(self))
 
 
 def choose_launch(args: argparse.Namespace, model_dir: Path, max_slots: int | None = None) -> LaunchChoice:
@@ -150,8 +163,8 @@ def choose_launch(args: argparse.Namespace, model_dir: Path, max_slots: int | No
         device=device,
         dtype=resolve_dtype(args.dtype, device, info.dtype),
         cuda_graph=cuda and not args.enforce_eager,
-        kv_pages=args.kv_pages if args.kv_pages is not None else (0 if cuda else CPU_KV_PAGES),
-        max_slots=max_slots if max_slots is not None else (0 if cuda else CPU_MAX_SLOTS),
+        kv_pages=args.kv_pages if args.kv_pages is not None else (0 if cuda else CacheConfig.kv_pages),
+        max_slots=max_slots if max_slots is not None else (0 if cuda else SchedulingConfig.max_slots),
         max_model_len=args.max_model_len or 0,
         gpu_memory_utilization=args.gpu_memory_utilization,
     )
@@ -187,13 +200,13 @@ def add_log_arguments(parser: argparse.ArgumentParser, level: bool = True) -> No
         parser.add_argument(
             "--log-level",
             choices=LOG_LEVELS,
-            default="info",
+            default=LogConfig.log_level,
             help="the lowest level logged, by the coordinator, every rank and the HTTP server",
         )
     parser.add_argument(
         "--log-format",
         choices=LOG_FORMATS,
-        default="console",
+        default=LogConfig.log_format,
         help="console: one short aligned line per record; json: one JSON object per line (log shippers)",
     )
 
@@ -238,12 +251,20 @@ def _attach_address(address: str) -> tuple[str, int]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def executor_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The ExecutorConfig fields these flags set (passed as EngineConfig.executor_options)."""
-    options: dict[str, Any] = {"log_level": args.log_level, "log_format": args.log_format}
-    if args.record:
-        options["record"] = args.record
-    if args.attach:
-        host, port = args.attach
-        options.update(transport="tcp", attach=True, host=host, port=port)
-    return options
+def replica_config(
+    args: argparse.Namespace, model_dir: Path, tp: int, choice: LaunchChoice, **fields: Any
+) -> ReplicaConfig:
+    """The replica these flags launch; ``fields`` are a command's own flags by their flat names
+    (``page_size=...``). A ValueError names a value the config refuses (``tp`` below 1 …)."""
+    attach = args.attach is not None
+    host, port = args.attach if attach else (ParallelConfig.host, ParallelConfig.port)
+    return ReplicaConfig(
+        model=ModelConfig(str(model_dir), choice.dtype, choice.max_model_len, choice.cuda_graph),
+        parallel=ParallelConfig(
+            tp, choice.device, "tcp" if attach else ParallelConfig.transport, host, port, attach
+        ),
+        cache=CacheConfig(kv_pages=choice.kv_pages, gpu_memory_utilization=choice.gpu_memory_utilization),
+        scheduling=SchedulingConfig(max_slots=choice.max_slots, pipeline=args.pipeline),
+        log=LogConfig(args.log_level, args.log_format, args.record),
+        **fields,
+    )

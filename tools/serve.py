@@ -15,7 +15,6 @@ import argparse
 import contextlib
 import json
 import math
-import os
 import shlex
 import signal
 import socket
@@ -27,19 +26,21 @@ from typing import Any
 import structlog
 from setproctitle import setproctitle
 
+from phalanx.config import settings
+from phalanx.config.replica import ParallelConfig, Timeouts
 from phalanx.executor.errors import ExecutorError
 from phalanx.server.body_limit import DEFAULT_MAX_BODY_BYTES
 from phalanx.tools.launch_options import (
     LaunchChoice,
+    add_batch_arguments,
     add_launch_arguments,
     add_log_arguments,
-    add_max_slots_argument,
     add_model_arguments,
     checked_number,
     choose_launch,
-    executor_options,
     model_dir_problem,
     positive_int,
+    replica_config,
 )
 from phalanx.tools.stop_signals import StopSignal
 
@@ -58,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         dest="tp",
         type=int,
         default=None,
-        help=f"tensor-parallel degree: ranks, one GPU each (default: 1; demo on cpu: {DEMO_TP})",
+        help=f"tensor-parallel degree: ranks, one GPU each (default: {ParallelConfig.tp}; demo on cpu: {DEMO_TP})",
     )
     add_model_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1", help="interface to listen on")
@@ -66,16 +67,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--served-model-name", default=None, help="model id in the API (default: directory name)"
     )
-    add_max_slots_argument(parser)
-    parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
-    parser.add_argument("--max-batch-tokens", type=int, default=2048, help="tokens of one prefill step")
+    add_batch_arguments(parser)
     parser.add_argument(
         "--default-max-tokens",
         type=int,
         default=None,
         help="max_tokens of a chat request that names none (default: the rest of the context)",
     )
-    parser.add_argument("--step-timeout", type=float, default=300.0, help="seconds one engine step may take")
+    parser.add_argument(
+        "--step-timeout", type=float, default=Timeouts.step_timeout, help="seconds one engine step may take"
+    )
     parser.add_argument(
         "--shutdown-grace",
         type=float,
@@ -90,9 +91,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--api-key",
-        default=os.environ.get("PHALANX_API_KEY") or None,
+        default=settings.api_key(),
         help="every route but /health and /metrics wants 'Authorization: Bearer KEY' "
-        "(default: $PHALANX_API_KEY; unset: no key is asked for)",
+        f"(default: ${settings.API_KEY}; unset: no key is asked for)",
     )
     parser.add_argument(
         "--chat-template",
@@ -129,7 +130,7 @@ def curl_line(base: str, model: str, chat: bool = True, with_key: bool = False) 
     else:
         route, body = "completions", {"model": model, "prompt": "Hello! My name is"}
     body["max_tokens"] = 32
-    auth = ' -H "Authorization: Bearer $PHALANX_API_KEY"' if with_key else ""
+    auth = f' -H "Authorization: Bearer ${settings.API_KEY}"' if with_key else ""
     return (
         f"curl {base}/v1/{route} -H 'Content-Type: application/json'{auth} -d {shlex.quote(json.dumps(body))}"
     )
@@ -158,7 +159,7 @@ def _tp(args: argparse.Namespace, choice: LaunchChoice) -> int:
     """``--tp``, else 1; the CPU demo runs at TP 2 to show tensor parallelism on any laptop."""
     if args.tp is not None:
         return args.tp
-    return DEMO_TP if args.model is None and choice.device == "cpu" else 1
+    return DEMO_TP if args.model is None and choice.device == "cpu" else ParallelConfig.tp
 
 
 def _model_problem(model_dir: Path, chat_template: str | None) -> str | None:
@@ -175,7 +176,7 @@ def _model_problem(model_dir: Path, chat_template: str | None) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from phalanx.engine.engine import Engine, EngineConfig
+    from phalanx.engine.engine import Engine
     from phalanx.executor.logs import configure_logging
 
     configure_logging(args.log_level, args.log_format)
@@ -191,22 +192,22 @@ def run(args: argparse.Namespace) -> int:
         return 2
     setproctitle(f"phalanx serve ({name})")
     tp = _tp(args, choice)
-    config = EngineConfig(
-        model_dir=model_dir,
-        tp=tp,
-        page_size=args.page_size,
-        max_batch_tokens=args.max_batch_tokens,
-        step_timeout=args.step_timeout,
-        pipeline=args.pipeline,
-        executor_options={"shutdown_timeout": args.shutdown_grace, **executor_options(args)},
-        **choice.engine_fields(),
-    )
     try:
         sock = _listen(args.host, args.port)
     except OSError as e:
         print(f"phalanx serve: error: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 2
     try:
+        config = replica_config(
+            args,
+            model_dir,
+            tp,
+            choice,
+            page_size=args.page_size,
+            max_batch_tokens=args.max_batch_tokens,
+            step_timeout=args.step_timeout,
+            shutdown_timeout=args.shutdown_grace,
+        )
         engine = Engine.start(config)
     except (ValueError, RuntimeError, OSError, ExecutorError) as e:
         sock.close()

@@ -48,6 +48,7 @@ from typing import Any
 
 import msgspec
 
+from phalanx.config import settings
 from phalanx.protocol import PROTOCOL_VERSION, ProtocolError, decode_envelope, decode_reply, encode
 from phalanx.protocol.messages import (
     Ack,
@@ -65,7 +66,7 @@ from phalanx.protocol.messages import (
     Unified,
 )
 
-ENV = "PHALANX_TEST_FAULT"
+ENV = settings.TEST_FAULT
 EXECUTION_POINTS = ("ping", "prefill", "decode", "unified", "drop", "precapture")
 POINTS = ("load", "dist_init", *EXECUTION_POINTS, "command", "reply")
 PROCESS_ACTIONS = ("raise", "exit", "kill", "hang", "slow")
@@ -116,7 +117,7 @@ _armed_raise: dict[int, str] = {}  # rank -> where a ``command:raise`` was armed
 
 def _due(point: str, rank: int) -> list[Fault]:
     """Count one arrival at ``point`` and return the faults that fire on it."""
-    spec = os.environ.get(ENV)
+    spec = settings.injected_faults()
     if not spec:
         return []
     _reached[(rank, point)] += 1
@@ -154,7 +155,7 @@ def fault_point(point: str, rank: int) -> None:
 
 def wrap_socket(sock: Any, rank: int) -> Any:
     """The rank's socket, seen through the ``command`` and ``reply`` faults when any are set."""
-    spec = os.environ.get(ENV)
+    spec = settings.injected_faults()
     if not spec or not any(f.point in ("command", "reply") for f in parse(spec)):
         return sock
     return FaultySocket(sock, rank)

@@ -17,11 +17,12 @@ between (the logits all-gather), which orders the ranks the same way.
 from __future__ import annotations
 
 import math
-import os
 
 import structlog
 import torch
 import torch.distributed as dist
+
+from phalanx.config import settings
 
 log = structlog.get_logger(__name__)
 
@@ -69,7 +70,7 @@ def try_one_shot(
 ) -> OneShotAllReduce | None:
     """The one-shot path if this process group can use it (CUDA, peers reachable, probe sums
     right), else None: NCCL then carries every all-reduce. ``PHALANX_ALL_REDUCE=nccl`` turns it off."""
-    if device.type != "cuda" or world_size == 1 or os.environ.get("PHALANX_ALL_REDUCE", "auto") == "nccl":
+    if device.type != "cuda" or world_size == 1 or settings.all_reduce_path() == "nccl":
         return None
     try:
         one_shot = OneShotAllReduce(dtype, device)

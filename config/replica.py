@@ -1,0 +1,182 @@
+"""What launches a replica, as one typed tree: each default is written here once, and the command
+line, the engine, the executor and the launch contract handed to every rank all read it.
+
+``ReplicaConfig(model=ModelConfig("m"), parallel=ParallelConfig(tp=2))`` builds the tree section by
+section; ``ReplicaConfig(model_dir="m", tp=2)`` names fields flat and each lands in its section
+(field names are unique across sections), and ``config.tp`` reads ``config.parallel.tp``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+DEVICES = ("cpu", "cuda")
+TRANSPORTS = ("ipc", "tcp")
+LOG_FORMATS = ("console", "json")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+_AS_MANY_AS_FIT = "{name} must be positive (0 means 'as many as fit' on cuda only), got {value}"
+
+
+def _check_choice(what: str, value: str, choices: tuple[str, ...]) -> None:
+    """ValueError ``WHAT must be one of A, B, got 'VALUE'`` unless ``value`` is one of ``choices``."""
+    if value not in choices:
+        raise ValueError(f"{what} must be one of {', '.join(choices)}, got {value!r}")
+
+
+def _check_positive(section: object, *names: str) -> None:
+    for name in names:
+        if getattr(section, name) <= 0:
+            raise ValueError(f"{name} must be positive, got {getattr(section, name)}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_dir: str  # a Hugging Face layout directory (a Path is kept as its text)
+    dtype: str = ""  # a torch dtype name; "" picks float32 on cpu, bfloat16 on cuda
+    max_model_len: int = 0  # prompt + output tokens at most; 0: the checkpoint's max_position_embeddings
+    cuda_graph: bool = False  # decode from per-bucket CUDA graphs (on cpu: eager static buffers)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "model_dir", str(self.model_dir))
+        if self.max_model_len < 0:
+            raise ValueError(f"max_model_len must be 0 (the checkpoint's) or more, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tp: int = 1  # ranks, one GPU each on cuda
+    device: str = "cpu"  # "cpu" (gloo, torch reference ops) or "cuda" (NCCL, Triton)
+    transport: str = "ipc"  # "ipc" (a private runtime directory) or "tcp"
+    host: str = "127.0.0.1"  # tcp: the interface the coordinator binds
+    port: int = 0  # tcp: 0 picks a free port
+    attach: bool = False  # ranks are started elsewhere (torchrun, SLURM) and connect over tcp
+
+    def __post_init__(self) -> None:
+        if self.tp < 1:
+            raise ValueError(f"tp must be at least 1, got {self.tp}")
+        _check_choice("device", self.device, DEVICES)
+        _check_choice("transport", self.transport, TRANSPORTS)
+        if self.attach and self.transport != "tcp":
+            raise ValueError("attached ranks (started by torchrun/SLURM) need transport 'tcp'")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    kv_pages: int = 512  # per rank, besides the padding page; 0 on cuda: as many as fit
+    page_size: int = 16  # tokens per KV page
+    gpu_memory_utilization: float = 0.9  # cuda: the fraction of each GPU's memory a rank may use
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "page_size")
+        if self.kv_pages < 0:
+            raise ValueError(_AS_MANY_AS_FIT.format(name="kv_pages", value=self.kv_pages))
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be above 0 and at most 1, got {self.gpu_memory_utilization:g}"
+            )
+
+
+@dataclass(frozen=True)
+class SchedulingConfig:
+    max_slots: int = 16  # requests decoding at once; 0 on cuda: up to the largest graph bucket that fits
+    max_batch_tokens: int = 2048  # prompt tokens of one prefill step
+    pipeline: bool = True  # send each decode step before reading the last one's result
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "max_batch_tokens")
+        if self.max_slots < 0:
+            raise ValueError(_AS_MANY_AS_FIT.format(name="max_slots", value=self.max_slots))
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Seconds. The spawned ranks' side of the startup and the attached ranks' liveness too."""
+
+    step_timeout: float = 300.0  # one step's replies from every rank
+    startup_timeout: float = 120.0  # Ready from every rank, then dist init, then the first Ping
+    dist_init_timeout: float = 60.0  # each rank's startup watchdog (it aborts the rank)
+    precapture_timeout: float = 600.0  # the decode graph pre-capture sweep's watchdog
+    shutdown_timeout: float = 30.0  # Shutdown's acknowledgements, then every rank is killed
+    idle_ping_interval: float = 5.0  # an idle engine pings the ranks this often, to notice a dead one
+    heartbeat_timeout: float = 2.0  # attached ranks: silence longer than this means dead
+    heartbeat_interval: float = 0.5  # attached ranks: how often they send a heartbeat
+    gate_timeout: float = 600.0  # attached ranks: how long they wait for Go or Cancel
+    coordinator_grace: float = 10.0  # a rank exits after this long without its coordinator
+
+    def __post_init__(self) -> None:
+        _check_positive(self, *(f.name for f in dataclasses.fields(self)))
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    log_level: str = "info"  # the lowest level the coordinator and every rank log
+    log_format: str = "console"  # "console" or "json" (protocol.logs)
+    record: str | None = None  # append every frame sent and received to this trace (phalanx replay)
+
+    def __post_init__(self) -> None:
+        _check_choice("log format", self.log_format, LOG_FORMATS)
+        _check_choice("log level", self.log_level, LOG_LEVELS)
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "cache": CacheConfig,
+    "scheduling": SchedulingConfig,
+    "timeouts": Timeouts,
+    "log": LogConfig,
+}
+# Every field's section, by the field's flat name (unique: checked here, at import).
+SECTION_OF: dict[str, str] = {
+    f.name: section for section, kind in SECTIONS.items() for f in dataclasses.fields(kind)
+}
+if len(SECTION_OF) != sum(len(dataclasses.fields(kind)) for kind in SECTIONS.values()):
+    raise TypeError("a field name appears in two sections of ReplicaConfig")
+
+
+@dataclass(frozen=True, init=False)
+class ReplicaConfig:
+    """The root: one replica's model, parallelism, cache, scheduling, timeouts and logs."""
+
+    model: ModelConfig
+    parallel: ParallelConfig
+    cache: CacheConfig
+    scheduling: SchedulingConfig
+    timeouts: Timeouts
+    log: LogConfig
+
+    def __init__(self, **given: Any) -> None:
+        """Sections by name (``parallel=ParallelConfig(tp=2)``), fields by their flat names
+        (``tp=2``), or both: a flat field overrides its section's value."""
+        flat: dict[str, dict[str, Any]] = {section: {} for section in SECTIONS}
+        for name, value in given.items():
+            if name not in SECTIONS:
+                if name not in SECTION_OF:
+                    raise TypeError(f"ReplicaConfig has no field {name!r}")
+                flat[SECTION_OF[name]][name] = value
+        for section, kind in SECTIONS.items():
+            base = given.get(section)
+            value = kind(**flat[section]) if base is None else dataclasses.replace(base, **flat[section])
+            object.__setattr__(self, section, value)
+        self._check_across_sections()
+
+    def __getattr__(self, name: str) -> Any:
+        """A field by its flat name: ``config.step_timeout`` is ``config.timeouts.step_timeout``."""
+        section = SECTION_OF.get(name)
+        if section is None:
+            raise AttributeError(f"ReplicaConfig has no field {name!r}")
+        return getattr(getattr(self, section), name)
+
+    def flat(self) -> dict[str, Any]:
+        """Every field by its flat name (what a trace records as its launch settings)."""
+        return {name: getattr(getattr(self, section), name) for name, section in SECTION_OF.items()}
+
+    def _check_across_sections(self) -> None:
+        """0 means "as many as fit", which only cuda measures."""
+        if self.parallel.device == "cuda":
+            return
+        for name, value in (("max_slots", self.scheduling.max_slots), ("kv_pages", self.cache.kv_pages)):
+            if value == 0:
+                raise ValueError(_AS_MANY_AS_FIT.format(name=name, value=value))
