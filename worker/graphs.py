@@ -9,7 +9,8 @@ in the model's state pool and are indexed by slot, so a graph never needs re-cap
 requests move between slots. Each step also picks every row's greedy token (argmax) and writes it
 to ``inputs.fed_tokens`` at the row's slot, inside the graph, in one kernel
 (``kernels/greedy_triton.py``): a pipelined next step feeds from there, and rank 0 draws nothing
-more for greedy rows (on one H200, sampling outside the graph added 28 µs to each batch-1 step).
+more for greedy rows, whose sampling outside the graph would lengthen each step
+(docs/benchmarks/kernel-choices-h200.md).
 Each step's rows and page table are written to pinned host buffers, which the graph's first kernel
 reads, and the greedy tokens come back the same way, landed in pinned memory by that last kernel
 (``worker/graph_inputs.py``): no copy call either way.

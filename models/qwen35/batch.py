@@ -73,7 +73,7 @@ class DecodeBatch:
     # A host batch from ``build``: the numpy arrays its tensors view, [3, B] int64 (tokens,
     # positions, state slots) and the page table, which the graph runner stages from. Its staging
     # is on every graph step's critical path, and right after the GPU wait each numpy or torch
-    # call there costs several microseconds (four tensor conversions took ~14 µs on the H200 host).
+    # call there costs microseconds (docs/benchmarks/kernel-choices-h200.md).
     _host: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False, compare=False)
 
     @classmethod
