@@ -108,25 +108,6 @@ def load_staged_triton(
     )  # fmt: skip
 
 
-def load_staged_ref(
-    header: torch.Tensor,
-    host_rows: torch.Tensor,
-    host_table: torch.Tensor,
-    rows: torch.Tensor,
-    table: torch.Tensor,
-    fed: torch.Tensor,
-    step: torch.Tensor,
-    bucket: int,
-) -> None:
-    """What ``load_staged_triton`` does, in torch."""
-    columns = int(header[HEADER_COLUMNS])
-    step[0] = header[HEADER_SEQ]
-    rows[:, :bucket].copy_(host_rows[:, :bucket])
-    rows[0, :bucket] = feed_tokens(rows[0, :bucket], rows[2, :bucket], fed)
-    table[:bucket, :columns].copy_(host_table[: bucket * columns].view(bucket, columns))
-    header[HEADER_ACK] = header[HEADER_SEQ]
-
-
 def feed_tokens(tokens: torch.Tensor, slots: torch.Tensor, fed: torch.Tensor) -> torch.Tensor:
     """``tokens`` with every negative entry (``FED_TOKEN``) replaced by ``fed`` at its slot."""
     return torch.where(tokens < 0, fed[slots.clamp(0, fed.shape[0] - 1)], tokens)

@@ -31,10 +31,6 @@ class PrefillBatch:
     state_slots: torch.Tensor  # [n] int64
     page_tables: torch.Tensor  # [n, P] int32, covering positions [0, start+len)
 
-    @property
-    def num_chunks(self) -> int:
-        return self.starts.shape[0]
-
     @classmethod
     def build(
         cls,
