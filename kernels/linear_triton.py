@@ -5,8 +5,8 @@ Batch-1 decode is bound by reading the weights once, so the kernels are built fo
 - **GEMV** (M = 1): ``kernels/linear_gemv_triton.py``, plain and pre-normed.
 - **Skinny GEMM** (M >= 2): ``tl.dot`` with the operands swapped (``y.T = w @ x.T``), so the weight
   tile fills the MMA's wide M side (16..128 rows) and the batch (16/32/64, padded) its narrow N
-  side; loads are pipelined through shared memory (cp.async). A broadcast GEMV for M = 2..8 was
-  tried and dropped: the [M, N, K] product forces a shared-memory layout conversion with four
+  side; loads are pipelined through shared memory (cp.async). A broadcast GEMV for M = 2..8 is
+  slower: the [M, N, K] product forces a shared-memory layout conversion with four
   barriers per K step (seen in the sm_90 PTX), while the MMA path pays only for padded FLOPs, which
   a bandwidth-bound decode has to spare.
 - ``*_silu_and_mul``: the MLP's gate_up weight ``[2I, K]``; each program reads gate rows ``j`` and
