@@ -246,9 +246,9 @@ _SHORT_SPLITS = 32
 def _merge_launch_shape(splits: int) -> tuple[int, int]:
     """(the merge's split tile, its warps) for ``splits`` splits. The tile is the split count's
     power of two, not the 64 splits the merge can hold: one binary per count (six at the 4B
-    buckets) where one served all, since a narrow tile wastes no lanes on absent splits. Eight
-    warps for short splits (above) and for a tile of two, four between, where eight were slower
-    (measured: docs/benchmarks/kernel-choices-h200.md)."""
+    buckets) where one served all, for a faster step at the batches whose rows are cut in few
+    splits. Eight warps for short splits (above) and for a tile of two, four between, where eight
+    were slower (measured: docs/benchmarks/kernel-choices-h200.md)."""
     tile = next_pow2(splits)
     return tile, 8 if splits >= _SHORT_SPLITS or splits <= 2 else 4
 
