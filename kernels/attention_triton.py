@@ -113,8 +113,8 @@ def _decode_kernel(
     # 1. Before the wait: the row's length and where its split's first keys live. The lengths and
     # page tables come from kernels at least two launches back (the rule is in kernels/launch.py);
     # the cached K/V are read after it, as the kernel just before writes each row's newest token.
-    # (Reading the first K/V block here too and the newest token again after the wait gained
-    # nothing at batch 1 and held registers across the wait: batch 64 lost 0.05-0.1 ms on the H200.)
+    # (Loading the first K/V block here instead holds registers across the wait, which costs
+    # batch 64 more than batch 1 gains: docs/benchmarks/kernel-choices-h200.md.)
     seq_len = tl.load(lens_ptr + b)
     split_size = _split_size(seq_len, splits, BLOCK_N)
     start = sp * split_size
@@ -128,7 +128,7 @@ def _decode_kernel(
     first = _kv_offsets(pt_row, pos, pos_mask, stride_page, stride_tok, d, PAGE=PAGE)
     # That block's cache lines are requested into L2 (registers would be held across the wait):
     # the block is then an L2 hit after it, newest token included, as the kernel before writes it
-    # into L2. 1-8 µs off a 4B batch-1 graph step (in-process A/B of whole steps, three H200s).
+    # into L2 (measured: docs/benchmarks/kernel-choices-h200.md).
     if PREFETCH_LINES > 0:
         line_starts = tl.arange(0, PREFETCH_LINES) * (D // PREFETCH_LINES)
         lines = _kv_offsets(pt_row, pos, pos_mask, stride_page, stride_tok, line_starts, PAGE=PAGE)
@@ -236,10 +236,8 @@ _MAX_SPLITS = 64
 # Short splits: a bucket that cuts each row into this many splits or more (batch 1 to 4 at the 4B
 # geometry) is latency-bound. Its attention takes the keys 16 at a time, not 32, so that at batch 1
 # (64 splits of 512 keys) twice as many programs hold keys; its merge runs on 8 warps, not 4, so
-# that at head_dim 256 each thread holds 64 of the [64 splits, D] partials, not 128. The 4B
-# batch-1 step took 4.5-6.8 and 9.9-13.1 µs less for each, 8.9 for both; at batch 64 the merge on
-# 8 warps cost 25.4 µs (CUDA graphs of whole steps in alternation in one process, two H200s;
-# docs/benchmarks/graphs-h200.md, stop 26).
+# that at head_dim 256 each thread holds 64 of the [64 splits, D] partials, not 128 (measured:
+# docs/benchmarks/kernel-choices-h200.md).
 # Both follow the split count only, so eager and graph decode of one bucket cut the keys alike
 # (the merge's launch shape for every count: ``_merge_launch_shape``).
 _SHORT_SPLITS = 32
@@ -248,11 +246,9 @@ _SHORT_SPLITS = 32
 def _merge_launch_shape(splits: int) -> tuple[int, int]:
     """(the merge's split tile, its warps) for ``splits`` splits. The tile is the split count's
     power of two, not the 64 splits the merge can hold: one binary per count (six at the 4B
-    buckets) where one served all. Batches 16, 32 and 64, whose rows are cut in 8, 4 and 2, took
-    18.2, 10.1 and 43.0 µs less a 4B step than with the 64-wide tile. Eight warps for short splits
-    (above) and for a tile of two (14.2-15.0 µs of batch 64's gain), four between, where eight
-    cost 4-15 µs (in-process A/B of whole steps' CUDA graphs, two H200s; stop 27 in
-    docs/benchmarks/graphs-h200.md)."""
+    buckets) where one served all, for a faster step at the batches whose rows are cut in few
+    splits. Eight warps for short splits (above) and for a tile of two, four between, where eight
+    were slower (measured: docs/benchmarks/kernel-choices-h200.md)."""
     tile = next_pow2(splits)
     return tile, 8 if splits >= _SHORT_SPLITS or splits <= 2 else 4
 

@@ -63,13 +63,10 @@ from phalanx.kernels.launch import FastLaunch, cdiv, next_pow2, pdl_enabled, wai
 from phalanx.kernels.workspace import GrowOnlyWorkspace
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-# PHALANX_GDN=split|fused (read once, here): the decode step's path at every batch size. On the
-# H200 at the 4B geometry (TP 1, 2026-12-01, one machine, two processes) the split path gave the
-# faster CUDA-graph step at batch 1, 2.77 against 2.97 ms, and the same at 64 (5.37 ms), although
-# one layer's step alone, in a graph of 20, was 4.9 µs split against 5.4 fused at batch 1 and
-# 80 against 104 µs at 64 (every fused program convolves its key head's q and k itself, traffic
-# the conv kernel does once). Eager decode at batch 1, bound by host time, gained from the fused
-# kernel's one launch where split takes two: 7.38 against 7.66 ms.
+# PHALANX_GDN=split|fused (read once, here): the decode step's path at every batch size. Split is
+# the default: its graph step is faster (every fused program convolves its key head's q and k
+# itself, traffic the conv kernel does once); fused saves a launch, which only host-bound eager
+# batch 1 notices (measured: docs/benchmarks/kernel-choices-h200.md).
 GDN_PATH = settings.gdn_path()
 
 

@@ -42,10 +42,8 @@ DEFAULT_TILE = (32, 4)
 # Batch buckets whose tile is set, not tuned (nor pruned). Timed alone, the tuner sees a tile's
 # latency but not its footprint: under PDL the next kernel (out_proj) becomes resident, and
 # requests its first weights, only as this one's programs leave the SMs. At batch 1 the tuner's
-# picks ((8, 1), (16, 1), (16, 2) or (16, 4), varying between processes) made a decode step up to
-# 10 µs slower than (64, 4), which was the fastest tile tried on each of five H200 machines or
-# within 0.4 µs of (16, 2) (CUDA graphs of whole 4B steps replayed in alternation in one process,
-# 2026-12-01; docs/benchmarks/graphs-h200.md, stop 24).
+# picks vary between processes and make whole steps slower than (64, 4), the fastest tile in
+# whole steps (measured: docs/benchmarks/kernel-choices-h200.md).
 FIXED_TILES: dict[int, Tile] = {1: (64, 4)}
 # Under TRITON_INTERPRET=1 (no timing): narrow, so the CPU tests' dv = 32 spans two programs.
 INTERPRET_TILE = (16, 4)
@@ -91,7 +89,7 @@ def _prune_configs(
 
 def _short_bench(fn: object, quantiles: tuple[float, ...]) -> list[float]:
     # 10 ms per config (a median of ~60 runs at batch 64, hundreds at batch 1): the sweep tunes up
-    # to 11 configs for each of 7 buckets, 4.9 s of a cold H200 sweep at 25 ms.
+    # to 11 configs for each of 7 buckets, so the window is the sweep's cost (docs/benchmarks/kernel-choices-h200.md).
     return triton.testing.do_bench(fn, warmup=5, rep=10, quantiles=quantiles)
 
 

@@ -2,9 +2,9 @@
 
 The host writes a graph step's rows (tokens, positions, state slots) and page table into pinned
 buffers. Copying those to the graph's static device buffers took two host-to-device copy calls and
-an event record per step: 33-58 µs of host time on one H200 host, all of it on the step's critical
-path, since the GPU has nothing else to do meanwhile. This kernel is captured as the graph's first
-node instead. Pinned memory is mapped into the GPU's address space (unified addressing), so it
+an event record per step, host time all on the step's critical path, since the GPU has nothing
+else to do meanwhile (measured: docs/benchmarks/kernel-choices-h200.md). This kernel is captured
+as the graph's first node instead. Pinned memory is mapped into the GPU's address space (unified addressing), so it
 reads the buffers over PCIe as the replay runs (``.cv`` loads: never a cached copy, the host
 rewrites them between replays) and writes the static buffers; a step's host work is filling the
 buffers and the replay.
@@ -106,25 +106,6 @@ def load_staged_triton(
         SEQ=HEADER_SEQ, COLUMNS=HEADER_COLUMNS, ACK=HEADER_ACK, BLOCK=_BLOCK, USE_PDL=pdl_enabled(),
         num_warps=1,
     )  # fmt: skip
-
-
-def load_staged_ref(
-    header: torch.Tensor,
-    host_rows: torch.Tensor,
-    host_table: torch.Tensor,
-    rows: torch.Tensor,
-    table: torch.Tensor,
-    fed: torch.Tensor,
-    step: torch.Tensor,
-    bucket: int,
-) -> None:
-    """What ``load_staged_triton`` does, in torch."""
-    columns = int(header[HEADER_COLUMNS])
-    step[0] = header[HEADER_SEQ]
-    rows[:, :bucket].copy_(host_rows[:, :bucket])
-    rows[0, :bucket] = feed_tokens(rows[0, :bucket], rows[2, :bucket], fed)
-    table[:bucket, :columns].copy_(host_table[: bucket * columns].view(bucket, columns))
-    header[HEADER_ACK] = header[HEADER_SEQ]
 
 
 def feed_tokens(tokens: torch.Tensor, slots: torch.Tensor, fed: torch.Tensor) -> torch.Tensor:

@@ -87,8 +87,8 @@ _decode_kv_indices_launch = FastLaunch(_decode_kv_indices_kernel, pdl=True)
 def decode_kv_indices_triton(
     positions: torch.Tensor, page_table: torch.Tensor, page_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One kernel where the torch reference takes nine (a batch-1 graph step spent ~20 µs in them
-    on the H200, an eager one a launch each)."""
+    """One kernel where the torch reference takes nine, each a launch on a graph step's critical
+    path (measured: docs/benchmarks/kernel-choices-h200.md)."""
     rows = positions.shape[0]
     slots = torch.empty(rows, dtype=torch.int64, device=positions.device)
     lengths = torch.empty(rows, dtype=torch.int32, device=positions.device)

@@ -2,8 +2,8 @@
 
 Batch-1 eager decode is host-bound: the GPU finishes each kernel before Python has launched the
 next. ``kernel[grid](...)`` goes through Triton's JIT dispatch every time (argument binding,
-specialisation key, cache lookup, launch-metadata hooks): about 22-27 µs a launch on the H200 hosts,
-against about 14 µs through the compiled handle. ``FastLaunch`` takes the JIT path once per
+specialisation key, cache lookup, launch-metadata hooks), which costs more than the compiled
+handle's launch (docs/benchmarks/kernel-choices-h200.md). ``FastLaunch`` takes the JIT path once per
 specialisation and afterwards calls the compiled kernel's launcher directly.
 
 The cache key mirrors what Triton specialises on: each tensor's dtype and 16-byte alignment,
@@ -13,8 +13,8 @@ is no compiled handle and every launch goes through the interpreter.
 
 Programmatic dependent launch (PDL, compute capability 9 and later): the decode kernels call
 ``wait_for_producer`` and are launched with ``launch_pdl``, so the GPU may start one while the
-kernel before it drains. Inside a CUDA graph that hides the gap between dependent kernels (about
-0.2 ms of a 4B batch-1 step on the H200). What a kernel may read before its wait:
+kernel before it drains. Inside a CUDA graph that hides the gap between dependent kernels
+(``docs/benchmarks/kernel-choices-h200.md``). What a kernel may read before its wait:
 
 - weights (they never change): the batch-1 GEMVs request their first weight tile there;
 - anything written two or more launches back. A kernel starts only once every program of the

@@ -4,10 +4,9 @@ The binding half of ``kernels/linear_triton.py``: it launches what that module's
 would for the same tuning key, with the launch worked out once instead of on every call.
 
 - A key the race gave to Triton launches its tuned kernel through ``FastLaunch.bind``.
-- A key the race gave to cuBLAS calls ``torch.mm`` on the weight's transpose, made once. At batch
-  64 on the H200 cuBLAS answers the 4B geometry's N = 2560 projections (out_proj, o_proj, down):
-  64 calls a step, 42.7-74.6 µs of host each through the general op, 29.5-30.3 bound (2026-12-02,
-  ``phalanx bench host --batch 64``).
+- A key the race gave to cuBLAS calls ``torch.mm`` on the weight's transpose, made once: at batch
+  64 cuBLAS answers 64 calls a step, whose host time the general op's checks would dominate
+  (measured: docs/benchmarks/kernel-choices-h200.md).
 - A pre-normed linear over one row (K up to ``NORMED_MAX_K``) is the pre-normed GEMV. Over more
   rows it is the general path's pair: the bound norm kernel (``norms_triton.bind_rms_norm``),
   then the bound linear of the normed rows, whose own key the race decided.

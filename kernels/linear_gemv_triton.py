@@ -15,21 +15,16 @@ the cuBLAS race are ``kernels/linear_triton.py``'s.
   whole x + residual row once (one wide load from L2), scales it by (1 + w) and keeps it in
   registers in fp32, so its loop over row blocks reads nothing but weights: each step loads
   ``BLOCK_N`` whole rows (K padded to a power of two, the padding masked off) and requests the
-  next block's rows before reducing these, so two blocks of rows are in flight per program. Program 0 writes the new residual stream. On the
-  H200 (4B shapes, PDL graphs of chained launches, 2026-12-01) this took the MLP's gate_up from
-  28.6 to 25.6 µs, the GDN in_proj from 20.8 to 17.9 and the attention qkv from 20.1 to 15.8,
-  against the plain GEMV's K-block loop with the norm folded into each block (the x, residual and
-  norm-weight loads of every K block delayed its weight loads). Row blocks are dealt to the
-  programs in turn, not in contiguous shares, and the weight loads are marked evict-first: another
-  0.7-0.8 µs off each (gate_up 25.3 -> 24.5 µs); in the plain GEMV neither helped. The norm
+  next block's rows before reducing these, so two blocks of rows are in flight per program. Program 0 writes the new residual stream.
+  Folding the norm into each K block instead delays every block's weight loads behind the x,
+  residual and norm-weight loads. Row blocks are dealt to the programs in turn, not in contiguous
+  shares, and the weight loads are marked evict-first (in the plain GEMV neither helped). The norm
   weight and the residual are loaded before the PDL wait (the residual stream was written two or
   more launches back, see ``kernels/launch.py``), so after it the prologue waits on x's load alone
-  instead of three loads and a reduction in a row: 17-31 µs off a whole batch-1 graph step (64
-  pre-normed linears; whole 4B steps replayed in alternation in one process, four H200 machines).
-  1/rms multiplies each row's sum rather than x, so the first products start while the norm's
-  reduction (a barrier across the program's warps) is still running, and x * (1 + w) is not
-  rounded to bf16 first: 16.5-17.7 µs off a whole batch-1 step (two processes, 2026-12-02), and
-  gate_up's relative error against fp32 went from 3.9-4.0e-3 to 3.2-3.3e-3.
+  instead of three loads and a reduction in a row. 1/rms multiplies each row's sum rather than x,
+  so the first products start while the norm's reduction (a barrier across the program's warps)
+  is still running, and x * (1 + w) is not rounded to bf16 first, which is also nearer fp32.
+  Each of these choices was measured on the H200: docs/benchmarks/kernel-choices-h200.md.
 """
 
 from __future__ import annotations
@@ -168,7 +163,7 @@ def _config(**kwargs: int) -> triton.Config:
 # short ones, each keeping at most 64 fp32 accumulators a thread (twice BLOCK_N x BLOCK_K / threads
 # when fused), so none spills. With PER_SM = 0 a thin last wave of programs leaves most SMs idle at
 # the kernel's end; the persistent config kept won out_proj and down_proj (N = 2560) in every H200
-# run (of five tried, 2026-12-01). The list is what the H200 picked for the 4B and 9B shapes out of
+# run (docs/benchmarks/kernel-choices-h200.md). The list is what the H200 picked for the 4B and 9B shapes out of
 # three times as many candidates: every candidate costs a compile in each cold pre-capture sweep.
 GEMV_CONFIGS = [
     _config(BLOCK_N=n, BLOCK_K=k, warps=w, PER_SM=per_sm)
@@ -177,11 +172,9 @@ GEMV_CONFIGS = [
         (8, 256, 8, 0), (16, 128, 4, 0), (16, 256, 8, 0), (32, 128, 8, 0), (2, 1024, 4, 16),
     ]
 ]  # fmt: skip
-# (BLOCK_N, warps, PER_SM) of the pre-normed GEMV, 8 warps each. Of 26 configs timed alone at the
-# 4B shapes on the H200 (2026-12-01), one or two whole rows a step at four programs per SM won every
-# shape. Their 4-warp twins timed as fast alone, and the tuner picked them in some processes, but
-# inside whole batch-1 steps they never won a shape and cost up to 9 µs a step at in_proj (CUDA
-# graphs of whole steps replayed in alternation, two machines; docs/benchmarks/graphs-h200.md, stop 26).
+# (BLOCK_N, warps, PER_SM) of the pre-normed GEMV, 8 warps each: one or two whole rows a step at
+# four programs per SM win alone, and their 4-warp twins, as fast alone, lose inside whole steps
+# (measured: docs/benchmarks/kernel-choices-h200.md).
 NORMED_GEMV_CONFIGS = [
     _config(BLOCK_N=n, warps=w, PER_SM=per_sm) for n, w, per_sm in [(1, 8, 4), (2, 8, 4), (4, 8, 2)]
 ]

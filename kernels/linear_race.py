@@ -9,9 +9,8 @@ under programmatic dependent launch in a real step, which this one-at-a-time tim
 
 The two sides' graphs (and the flush's own) replay in turn, round after round, and each side
 takes its median: a GPU whose clock is still rising from idle when a process races its first keys
-slows both sides alike. Timed one side after the other, the first race of a process on the H200
-measured the Triton in_proj at 26.5 µs (17.6-18.5 in every other run) and handed batch-1 in_proj
-to cuBLAS for the life of that process (2026-12-01).
+slows both sides alike; timed one side after the other, a process's first race could hand a
+key to cuBLAS for the life of that process (docs/benchmarks/kernel-choices-h200.md).
 """
 
 from __future__ import annotations
@@ -32,8 +31,7 @@ log = structlog.get_logger(__name__)
 # three when the op fuses a norm or SiLU (eager decode pays per launch). Near ties flipped from run to run.
 _CUBLAS_MARGIN = 0.98
 # What a Triton kernel gains in a decode graph from starting under the previous kernel's tail (PDL),
-# which a cuBLAS launch does not get: on the H200, PDL took 0.2 ms off a 4B batch-1 graph step of
-# ~190 kernels, about 1 µs each.
+# which a cuBLAS launch does not get: about 1 µs a kernel (docs/benchmarks/kernel-choices-h200.md).
 _PDL_CREDIT_US = 1.0
 _RACE_CALLS = 4  # op calls per timed graph, each after an L2 flush
 _RACE_REPLAYS = 7

@@ -5,8 +5,8 @@ Batch-1 decode is bound by reading the weights once, so the kernels are built fo
 - **GEMV** (M = 1): ``kernels/linear_gemv_triton.py``, plain and pre-normed.
 - **Skinny GEMM** (M >= 2): ``tl.dot`` with the operands swapped (``y.T = w @ x.T``), so the weight
   tile fills the MMA's wide M side (16..128 rows) and the batch (16/32/64, padded) its narrow N
-  side; loads are pipelined through shared memory (cp.async). A broadcast GEMV for M = 2..8 was
-  tried and dropped: the [M, N, K] product forces a shared-memory layout conversion with four
+  side; loads are pipelined through shared memory (cp.async). A broadcast GEMV for M = 2..8 is
+  slower: the [M, N, K] product forces a shared-memory layout conversion with four
   barriers per K step (seen in the sm_90 PTX), while the MMA path pays only for padded FLOPs, which
   a bandwidth-bound decode has to spare.
 - ``*_silu_and_mul``: the MLP's gate_up weight ``[2I, K]``; each program reads gate rows ``j`` and
@@ -19,8 +19,8 @@ Batch-1 decode is bound by reading the weights once, so the kernels are built fo
 Triton or cuBLAS, per shape: right after a tuning key is tuned (eagerly), its tuned kernel races
 cuBLAS (with the separate norm and SiLU kernels where the Triton op fuses them) on the same inputs
 (``kernels/linear_race.py``); from then on the key answers from the faster one
-(``PHALANX_LINEAR=triton`` skips the race). On the H200 the GEMV beat cuBLAS at M = 1 (the batch-1
-graph step went from 3.65 to 3.21 ms), while at M = 64 cuBLAS wins the N = 2560 projections, where
+(``PHALANX_LINEAR=triton`` skips the race). On the H200 the GEMV beats cuBLAS at M = 1
+(docs/benchmarks/kernel-choices-h200.md), while at M = 64 cuBLAS wins the N = 2560 projections, where
 the skinny GEMM has only N / BLOCK_N programs: shapes where cuBLAS wins are what the race catches.
 
 The skinny GEMM may split K on thin shapes (``kernels/linear_split_k.py``: one launch, the last

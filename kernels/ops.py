@@ -119,8 +119,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) ->
 
 def linear_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x @ w.T as float32 (the vocab head's logits): the fp32 sums are kept, not rounded to x's
-    dtype and widened again by a kernel of its own (on the H200, chained 4B vocab heads took
-    298 -> 291 µs at batch 1 and 369 -> 325-336 µs at batch 64; within noise in a whole step)."""
+    dtype and widened again by a kernel of its own (docs/benchmarks/kernel-choices-h200.md)."""
     if x.is_cuda and _triton_linear(x, w):
         return _triton("linear", "linear_fp32")(x, w)
     if x.is_cuda and x.dtype in _TRITON_LINEAR_DTYPES:

@@ -49,12 +49,6 @@ def new_key() -> bytes:
     return secrets.token_bytes(KEY_BYTES)
 
 
-def derive_launch_key(secret: bytes, epoch: int) -> bytes:
-    """The key of one launch from a long-lived shared secret and the launch's epoch."""
-    _check_secret(secret)
-    return hmac.digest(secret, b"phalanx launch key\x00" + epoch.to_bytes(8, "little"), "sha256")
-
-
 def key_from_secret(secret: bytes) -> bytes:
     """The control-plane key of ranks started elsewhere, which share only ``secret``."""
     _check_secret(secret)
@@ -125,12 +119,7 @@ class FrameAuthenticator(Framer):
         self._counter = itertools.count(1)
         self._windows: dict[tuple[bytes, int], _ReplayWindow] = {}
         self._lock = threading.Lock()
-        self.accepted = 0
         self.drops: collections.Counter[str] = collections.Counter()
-
-    @property
-    def dropped(self) -> int:
-        return sum(self.drops.values())
 
     def sign(self, payload: bytes) -> bytes:
         header = _HEADER.pack(AUTH_VERSION, self.sender, next(self._counter))
@@ -160,7 +149,6 @@ class FrameAuthenticator(Framer):
             problem = window.check(counter)
             if problem is None:
                 window.accept(counter)
-                self.accepted += 1
         if problem is not None:
             self._drop("replay", f"{sender_name(sender)}: {problem}")
         return body[_HEADER.size :]

@@ -12,8 +12,6 @@ import threading
 import time
 from typing import Any
 
-import structlog
-
 DETAILED = 10
 SUMMARY_INTERVAL_S = 1.0
 
@@ -44,7 +42,3 @@ class RejectionLog:
             self._log.warning(self._event, reason=reason, rejected=total, **detail)
         elif summarise:
             self._log.warning(f"{self._event} (summary)", rejected=total, by_reason=by_reason)
-
-
-def rejection_log(name: str, event: str) -> RejectionLog:
-    return RejectionLog(structlog.get_logger(name), event)

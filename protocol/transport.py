@@ -121,7 +121,6 @@ class CoordinatorSocket:
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.socket.bind(address)
         self.address: str = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.dropped_frames = 0
 
     def send(self, identity: bytes, payload: bytes) -> None:
         self.socket.send_multipart([identity, *self._framer.seal(payload)], copy=False)

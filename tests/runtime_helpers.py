@@ -124,7 +124,7 @@ def row(request_id: int, index: int, slot: int, token: int, position: int) -> De
 def reference_generation(model_dir: Path, prompt: list[int], steps: int) -> list[TokenResult]:
     """Greedy generation of one request alone, in process, at TP 1."""
     from phalanx.models.qwen35 import DecodeBatch, PrefillBatch, Qwen35Model
-    from phalanx.worker.sampling import sample
+    from phalanx.worker.sampling import draw_tokens
 
     model = Qwen35Model.load(model_dir, rank=0, world_size=1, device=torch.device("cpu"))
     model.allocate_cache(PAGES_PER_REQUEST + 1, PAGE, 1)
@@ -133,7 +133,7 @@ def reference_generation(model_dir: Path, prompt: list[int], steps: int) -> list
     position = len(prompt)
     results = []
     for _ in range(steps):
-        (drawn,) = sample(logits, [LOGPROBS], [position])
+        (drawn,) = draw_tokens(logits, [LOGPROBS], [position]).to_host()
         results.append(TokenResult(0, *drawn))
         logits = model.decode(DecodeBatch.build([(drawn.token, position, 0, pages)]))
         position += 1

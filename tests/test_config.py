@@ -37,8 +37,6 @@ def write(tmp_path: Path, config: dict, generation: dict | None = None) -> Path:
 def test_tiny_model_config(tiny_model_dir: Path) -> None:
     config = Qwen35Config.from_dir(tiny_model_dir)
     assert config.layer_types == ("linear_attention", "full_attention", "linear_attention", "full_attention")
-    assert config.full_attention_layers == (1, 3)
-    assert config.linear_attention_layers == (0, 2)
     assert config.rotary_dim == 8
     assert config.rope_theta == 1e7
     assert not config.tie_word_embeddings
@@ -60,7 +58,7 @@ def test_text_config_nesting_with_top_level_fallback(tmp_path: Path) -> None:
     assert config.tie_word_embeddings
     assert config.max_position_embeddings == 4096
     # full_attention_interval 4 (layer_types absent): full attention at 3 and 7.
-    assert config.full_attention_layers == (3, 7)
+    assert [i for i, kind in enumerate(config.layer_types) if kind == "full_attention"] == [3, 7]
     # generation config first, then the text config's, then the top level's, without repeats
     assert config.eos_token_ids == (5, 7)
 

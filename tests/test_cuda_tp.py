@@ -202,7 +202,8 @@ def _graph_pair_rank(
     pre-capture sweep (each phase a barrier). Rank 0 records each step's graph-vs-eager error."""
     from phalanx.executor.precapture import sweep_phases
     from phalanx.models.qwen35 import DecodeBatch, PrefillBatch, Qwen35Model
-    from phalanx.worker.buckets import bucket_for, state_slot_layout
+    from phalanx.protocol.buckets import bucket_for
+    from phalanx.worker.buckets import state_slot_layout
     from phalanx.worker.graphs import DecodeGraphRunner, GraphGeometry
 
     device = init_rank(rank, world_size, init_method, device_kind)

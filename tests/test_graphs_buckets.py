@@ -6,13 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from phalanx.worker.buckets import (
-    DECODE_BUCKETS,
-    bucket_for,
-    buckets_up_to,
-    size_graph_slot_reserve,
-    smaller_bucket,
-)
+from phalanx.protocol.buckets import DECODE_BUCKETS, bucket_for, buckets_up_to
+from phalanx.worker.buckets import size_graph_slot_reserve, smaller_bucket
 
 MIB = 2**20
 

@@ -121,7 +121,7 @@ def test_static_buffer_decode_equals_plain_decode_across_bucket_straddles(tiny_m
     pair.step([0, 1, 2, 3, 4], occupied=live)
     pair.step([0, 1, 2], occupied=live)
     pair.step([0, 1, 2, 3, 4], occupied=live)
-    assert pair.runner.eager_steps > 0 and pair.runner.replays == 0  # CPU: no graphs
+    assert pair.runner.replays == 0  # CPU: no graphs, every step eager
 
 
 def test_static_buffer_decode_after_slot_compaction(tiny_model_dir: Path) -> None:

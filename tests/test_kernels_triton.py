@@ -328,9 +328,27 @@ def check_load_staged() -> dict[str, float]:
         HEADER_ACK,
         HEADER_COLUMNS,
         HEADER_SEQ,
-        load_staged_ref,
+        feed_tokens,
         load_staged_triton,
     )
+
+    def load_staged_ref(
+        header: torch.Tensor,
+        host_rows: torch.Tensor,
+        host_table: torch.Tensor,
+        rows: torch.Tensor,
+        table: torch.Tensor,
+        fed: torch.Tensor,
+        step: torch.Tensor,
+        bucket: int,
+    ) -> None:
+        """What ``load_staged_triton`` does, in torch."""
+        columns = int(header[HEADER_COLUMNS])
+        step[0] = header[HEADER_SEQ]
+        rows[:, :bucket].copy_(host_rows[:, :bucket])
+        rows[0, :bucket] = feed_tokens(rows[0, :bucket], rows[2, :bucket], fed)
+        table[:bucket, :columns].copy_(host_table[: bucket * columns].view(bucket, columns))
+        header[HEADER_ACK] = header[HEADER_SEQ]
 
     top, max_pages, bucket, columns = 8, 6, 5, 3
     header = torch.tensor([7, columns, 6, 0])  # step 7 staged, step 6 acknowledged

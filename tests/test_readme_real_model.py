@@ -98,7 +98,7 @@ def test_the_memory_and_tp_table_agrees_with_the_model_code(geometry: str) -> No
     specs = tensor_specs(config, layout, include_lm_head=not config.tie_word_embeddings)
     params = sum(math.prod(spec.local_shape) for spec in specs)
     assert row[1] == f"{params * 2 / GIB:.1f} GiB" and row[2] == f"{params * 4 / GIB:.1f} GiB"
-    full = len(config.full_attention_layers)
+    full = config.layer_types.count("full_attention")
     assert row[0] == f"{config.num_hidden_layers} ({full} / {config.num_hidden_layers - full})"
     kv_per_1k = 2 * config.num_key_value_heads * config.head_dim * full * 1024
     assert row[3] == f"{kv_per_1k * 2 // MIB} / {kv_per_1k * 4 // MIB} MiB"

@@ -12,9 +12,13 @@ from msgspec.structs import replace
 from phalanx.protocol.messages import SamplingParams
 from phalanx.worker.errors import WorkerStateError
 from phalanx.worker.graph_inputs import LandedTokens
-from phalanx.worker.sampling import draw_tokens, sample, seeded_uniform
+from phalanx.worker.sampling import Sample, draw_tokens, seeded_uniform
 
 GREEDY = SamplingParams()
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> list[Sample]:
+    return draw_tokens(logits, params, positions).to_host()
 
 
 def tokens(

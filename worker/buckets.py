@@ -1,7 +1,7 @@
-"""Decode batch buckets and the graph slot reserve.
+"""The graph slot reserve and the state slot layout, sized by the decode buckets.
 
-A CUDA graph replays fixed shapes, so decode batches are padded up to a bucket and one graph is
-captured per bucket. ``bucket_for(n)`` is the smallest bucket that holds ``n`` rows.
+The buckets themselves (``DECODE_BUCKETS``, ``bucket_for``) are the protocol's
+(``protocol/buckets.py``): the coordinator and the ranks both use them.
 
 In graph mode a rank keeps one fixed-address recurrent/conv state per graph row: a bucket-``b``
 graph reads and writes the state slots named by its rows, and its padding rows need free slots
@@ -16,18 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from phalanx.protocol.buckets import DECODE_BUCKETS, MAX_GRAPH_BATCH, bucket_for, buckets_up_to
-
-__all__ = [
-    "DECODE_BUCKETS",
-    "MAX_GRAPH_BATCH",
-    "SlotReserve",
-    "bucket_for",
-    "buckets_up_to",
-    "size_graph_slot_reserve",
-    "smaller_bucket",
-    "state_slot_layout",
-]
+from phalanx.protocol.buckets import DECODE_BUCKETS, MAX_GRAPH_BATCH, bucket_for
 
 
 def smaller_bucket(bucket: int) -> int | None:

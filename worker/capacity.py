@@ -14,9 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
+from phalanx.protocol.buckets import MAX_GRAPH_BATCH, buckets_up_to
 from phalanx.protocol.launch import WorkerLimits
 from phalanx.protocol.messages import Capacity
-from phalanx.worker.buckets import MAX_GRAPH_BATCH, buckets_up_to, size_graph_slot_reserve, state_slot_layout
+from phalanx.worker.buckets import size_graph_slot_reserve, state_slot_layout
 from phalanx.worker.memory_profile import ActivationProfile
 
 # Kept free beyond the measured use: the allocator's fragmentation and cuBLAS/Triton workspaces.

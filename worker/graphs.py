@@ -9,7 +9,8 @@ in the model's state pool and are indexed by slot, so a graph never needs re-cap
 requests move between slots. Each step also picks every row's greedy token (argmax) and writes it
 to ``inputs.fed_tokens`` at the row's slot, inside the graph, in one kernel
 (``kernels/greedy_triton.py``): a pipelined next step feeds from there, and rank 0 draws nothing
-more for greedy rows (on one H200, sampling outside the graph added 28 µs to each batch-1 step).
+more for greedy rows, whose sampling outside the graph would lengthen each step
+(docs/benchmarks/kernel-choices-h200.md).
 Each step's rows and page table are written to pinned host buffers, which the graph's first kernel
 reads, and the greedy tokens come back the same way, landed in pinned memory by that last kernel
 (``worker/graph_inputs.py``): no copy call either way.
@@ -40,6 +41,7 @@ import torch.distributed as dist
 from phalanx.kernels import ops
 from phalanx.kernels.parallel_compile import parallel_compile
 from phalanx.models.qwen35 import DecodeBatch
+from phalanx.protocol.buckets import bucket_for, buckets_up_to
 from phalanx.protocol.messages import (
     Ack,
     Capacity,
@@ -50,7 +52,7 @@ from phalanx.protocol.messages import (
     PrecapturePhase,
     Warmup,
 )
-from phalanx.worker.buckets import bucket_for, buckets_up_to, state_slot_layout
+from phalanx.worker.buckets import state_slot_layout
 from phalanx.worker.cores import ranks_on_this_host
 from phalanx.worker.errors import WorkerStateError
 from phalanx.worker.faults import fault_point
@@ -183,7 +185,6 @@ class DecodeGraphRunner:
         self._launched: set[int] = set()
         self.finalized = False
         self.replays = 0
-        self.eager_steps = 0
         self._last_rows = 0  # rows of the last decode replayed from a graph (see ``replay_last``)
 
     # ------------------------------------------------------------------ the pre-capture sweep
@@ -394,7 +395,6 @@ class DecodeGraphRunner:
     def _eager(self, bucket: int, pages: int = 1) -> torch.Tensor:
         # Eager runs need not read the whole page-table width; graphs are captured at full width.
         width = self.geometry.max_pages if self.uses_cuda_graphs else pages
-        self.eager_steps += 1
         self.inputs.load(bucket)
         batch = self.inputs.batch(bucket, pages=width)
         logits = self.model.decode(batch)

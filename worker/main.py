@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from phalanx.protocol import PROTOCOL_VERSION, ProtocolError, decode_envelope, encode
 from phalanx.protocol.auth import SECRET_ENV, rank_authenticator
+from phalanx.protocol.buckets import MAX_GRAPH_BATCH, bucket_for
 from phalanx.protocol.launch import WorkerConfig
 from phalanx.protocol.messages import (
     Cancel,
@@ -36,7 +37,7 @@ from phalanx.protocol.messages import (
     ReplyEnvelope,
 )
 from phalanx.protocol.transport import RankSocket, connection_identity
-from phalanx.worker.buckets import MAX_GRAPH_BATCH, bucket_for, state_slot_layout
+from phalanx.worker.buckets import state_slot_layout
 from phalanx.worker.capacity import GIB, CapacityError, memory_line, size_capacity
 from phalanx.worker.commands import StepRunner
 from phalanx.worker.cores import ranks_on_this_host
@@ -45,13 +46,11 @@ from phalanx.worker.grammar import GrammarTable
 from phalanx.worker.graphs import build_graph_runner, precapture_handler
 from phalanx.worker.heartbeat import HeartbeatThread
 from phalanx.worker.logs import bind_epoch, configure_logging
-from phalanx.worker.loop import EXIT_OK, EXIT_POISONED, CommandLoop
+from phalanx.worker.loop import EXIT_CANCELLED, EXIT_OK, EXIT_POISONED, CommandLoop
 from phalanx.worker.memory_profile import measure_activations
 from phalanx.worker.watchdog import Watchdog
 
 log = structlog.get_logger("phalanx.worker")
-
-EXIT_CANCELLED = 3
 
 
 class StartupFailure(Exception):

@@ -1,7 +1,7 @@
 """Rank 0 token sampling: greedy, temperature, top-k, top-p, min-p, logit bias, banned ids,
 per-request seeds, top-N logprobs.
 
-``sample(logits, params, positions)`` picks one token per row. ``positions[i]`` is the position
+``draw_tokens(logits, params, positions)`` picks one token per row. ``positions[i]`` is the position
 the sampled token will occupy (the prompt length for a request's first output token, ``p + 1``
 for a decode row that feeds the token at ``p``). A seeded row draws its uniform number from a
 hash of ``(seed, position)`` and nothing else, so a request's tokens never depend on what it is
@@ -247,10 +247,3 @@ def draw_tokens(
     if drawn or greedy is None:
         landed = None  # the landing holds the graph's argmax, not these tokens
     return DrawnTokens(tokens, _logprob_report(logits, tokens, params), params, landed)
-
-
-def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> list[Sample]:
-    """Pick one token per row of ``logits`` [rows, vocab] (any float dtype, CPU or CUDA)."""
-    if logits.dim() == 2 and logits.shape[0] == 0:
-        return []
-    return draw_tokens(logits, params, positions).to_host()

@@ -31,10 +31,6 @@ class PrefillBatch:
     state_slots: torch.Tensor  # [n] int64
     page_tables: torch.Tensor  # [n, P] int32, covering positions [0, start+len)
 
-    @property
-    def num_chunks(self) -> int:
-        return self.starts.shape[0]
-
     @classmethod
     def build(
         cls,
@@ -73,7 +69,7 @@ class DecodeBatch:
     # A host batch from ``build``: the numpy arrays its tensors view, [3, B] int64 (tokens,
     # positions, state slots) and the page table, which the graph runner stages from. Its staging
     # is on every graph step's critical path, and right after the GPU wait each numpy or torch
-    # call there costs several microseconds (four tensor conversions took ~14 µs on the H200 host).
+    # call there costs microseconds (docs/benchmarks/kernel-choices-h200.md).
     _host: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False, compare=False)
 
     @classmethod

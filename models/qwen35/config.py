@@ -48,14 +48,6 @@ class Qwen35Config:
         return int(self.head_dim * self.partial_rotary_factor)
 
     @property
-    def full_attention_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, kind in enumerate(self.layer_types) if kind == FULL_ATTENTION)
-
-    @property
-    def linear_attention_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, kind in enumerate(self.layer_types) if kind == LINEAR_ATTENTION)
-
-    @property
     def linear_key_dim(self) -> int:
         return self.linear_num_key_heads * self.linear_key_head_dim
 

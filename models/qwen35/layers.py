@@ -7,8 +7,8 @@ the calls decode repeats every step go through ops bound to the layer's weights 
 
 Each decoder pre-norm's (1 + w) is folded into the columns of the one linear that reads its
 output (``fold_norm_weight``): rmsnorm(h) * (1 + w) @ W.T equals rmsnorm(h) @ (W * (1 + w)).T, so
-the pre-normed linears only scale by 1/rms. On the H200 that took 14 µs off a batch-1 4B decode
-step (64 pre-normed GEMVs that no longer load and apply the weight; 2026-12-02, two processes).
+the pre-normed linears only scale by 1/rms and need not load and apply the weight
+(docs/benchmarks/kernel-choices-h200.md).
 The product is rounded to W's dtype once, where the unfolded model rounds the norm's output.
 """
 

@@ -1,10 +1,10 @@
 """Small all-reduces through symmetric memory: one kernel that reads every peer's buffer.
 
 Decode all-reduces are tiny (a few rows of the hidden size, 5 KB at batch 1 of the 4B model) and
-there are two per layer, so their latency, not bandwidth, is what TP pays. On the H200 pair a 5 KB
-NCCL all-reduce takes ~14 µs inside a CUDA graph; PyTorch's symmetric-memory one-shot all-reduce
-(each rank reads its peers' buffers over NVLink and sums) takes ~6 µs. Larger messages (prefill,
-big decode batches) stay on NCCL.
+there are two per layer, so their latency, not bandwidth, is what TP pays. PyTorch's
+symmetric-memory one-shot all-reduce (each rank reads its peers' buffers over NVLink and sums) has
+less than half NCCL's latency at that size inside a CUDA graph (docs/benchmarks/kernel-choices-h200.md).
+Larger messages (prefill, big decode batches) stay on NCCL.
 
 Each rank stages its input in one of two symmetric buffers, alternating (a row-parallel linear
 writes its output there directly, saving the copy). The one-shot kernel starts
