@@ -15,7 +15,7 @@ from phalanx.protocol import PROTOCOL_VERSION, ProtocolError, decode_reply, enco
 from phalanx.protocol.messages import Cancel, Envelope, Heartbeat, ReplyEnvelope
 from phalanx.protocol.rejections import RejectionLog
 from phalanx.protocol.trace import TraceWriter
-from phalanx.protocol.transport import CoordinatorSocket
+from phalanx.protocol.transport import CoordinatorSocket, heartbeat_identity
 
 log = structlog.get_logger("phalanx.executor")
 
@@ -110,18 +110,37 @@ class RankLink:
                     raise ProtocolError(
                         ProtocolError.FOREIGN_EPOCH, f"reply has epoch {reply.epoch}, expected {epoch}"
                     )
-                if not startup and not isinstance(reply.body, Heartbeat):
+                if isinstance(reply.body, Heartbeat):
+                    self._check_heartbeat(identity, reply.rank)
+                elif not startup:
                     self._check_bound(identity, reply.rank)
             except ProtocolError as exc:
                 if startup and exc.cause == "bad_tag" and exc.peer is not None:
                     raise KeyMismatch(exc.peer, exc.detail) from None
                 self.rejections.record(exc.reason, detail=exc.detail)
                 continue
-            if 0 <= reply.rank < len(self.ranks):
-                self.ranks[reply.rank].heard()
+            self._heard(identity, reply.rank)
             if not isinstance(reply.body, Heartbeat):
                 received.append((identity, reply))
         return received
+
+    def _heard(self, identity: bytes, rank: int) -> None:
+        """A frame keeps a rank alive only when it came from that rank's bound connection or its
+        heartbeat connection."""
+        if 0 <= rank < len(self.ranks):
+            bound = self.ranks[rank].identity
+            if bound is not None and identity in (bound, heartbeat_identity(bound)):
+                self.ranks[rank].heard()
+
+    def _check_heartbeat(self, identity: bytes, rank: int) -> None:
+        """A heartbeat counts only from the heartbeat connection of the connection bound to the
+        rank it claims: a forged one cannot keep a dead rank alive."""
+        bound = self.ranks[rank].identity if 0 <= rank < len(self.ranks) else None
+        if bound is None or identity != heartbeat_identity(bound):
+            raise ProtocolError(
+                ProtocolError.UNBOUND_PEER,
+                f"a heartbeat claiming rank {rank} came from a connection not bound to that rank",
+            )
 
     def _check_bound(self, identity: bytes, rank: int) -> None:
         """A reply counts only from a connection that a rank's handshake bound (which rank it

@@ -1,9 +1,11 @@
 """ZeroMQ sockets between the coordinator and its ranks, and where their addresses live.
 
-Topology: the coordinator binds one ROUTER socket; every rank connects one DEALER socket (and,
-when it sends heartbeats, a second DEALER on its own thread), each with a random identity. The
-coordinator learns which identity is which rank from the rank's signed handshake (Hello, then a
-Ready that echoes the connection's Challenge), then addresses that rank's commands to it alone.
+Topology: the coordinator binds one ROUTER socket; every rank connects one DEALER socket with a
+random identity (and, when it sends heartbeats, a second DEALER on its own thread, whose identity
+is :func:`heartbeat_identity` of the first). The coordinator learns which identity is which rank
+from the rank's signed handshake (Hello, then a Ready that echoes the connection's Challenge),
+then addresses that rank's commands to it alone and counts that rank's heartbeats only from the
+heartbeat identity of that bound connection.
 
 Addresses are ``ipc://`` paths in a private 0700 runtime directory by default (removed on exit),
 or ``tcp://host:port`` when ranks run on other machines.
@@ -195,6 +197,12 @@ def connection_identity(name: str) -> bytes:
     """A ZeroMQ identity no other peer can guess: ``name`` plus 64 random bits. The coordinator
     routes to a rank by the identity its signed handshake came from, never by a claimed name."""
     return f"{name}-{secrets.token_hex(8)}".encode()
+
+
+def heartbeat_identity(identity: bytes) -> bytes:
+    """The identity of a rank's heartbeat socket, given that of its command socket: a heartbeat
+    counts only from the heartbeat connection of the connection the rank's handshake bound."""
+    return identity + b"/heartbeat"
 
 
 def tcp_address(host: str, port: int) -> str:

@@ -35,7 +35,7 @@ from phalanx.protocol.messages import (
     Ready,
     ReplyEnvelope,
 )
-from phalanx.protocol.transport import RankSocket, connection_identity
+from phalanx.protocol.transport import RankSocket, connection_identity, heartbeat_identity
 from phalanx.worker.buckets import MAX_GRAPH_BATCH, bucket_for, state_slot_layout
 from phalanx.worker.capacity import GIB, CapacityError, memory_line, size_capacity
 from phalanx.worker.commands import StepRunner
@@ -240,9 +240,8 @@ def run_worker(config: WorkerConfig) -> int:
     # leaks (the parent's resource tracker then warns); a rank's bars need only a thread lock.
     tqdm.set_lock(threading.RLock())
     framer = rank_authenticator(bytes.fromhex(config.auth_key), config.rank) if config.auth_key else None
-    sock = wrap_socket(
-        RankSocket(config.coordinator, connection_identity(f"rank-{config.rank}"), framer), config.rank
-    )
+    identity = connection_identity(f"rank-{config.rank}")
+    sock = wrap_socket(RankSocket(config.coordinator, identity, framer), config.rank)
     heartbeat: HeartbeatThread | None = None
     try:
         try:
@@ -258,6 +257,7 @@ def run_worker(config: WorkerConfig) -> int:
         if config.heartbeat_interval > 0:
             heartbeat = HeartbeatThread(
                 config.coordinator,
+                heartbeat_identity(identity),
                 config.rank,
                 epoch,
                 config.heartbeat_interval,
