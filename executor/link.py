@@ -14,7 +14,7 @@ from phalanx.executor.ranks import RankHandle
 from phalanx.protocol import PROTOCOL_VERSION, ProtocolError, decode_reply, encode
 from phalanx.protocol.messages import Cancel, Envelope, Heartbeat, ReplyEnvelope
 from phalanx.protocol.rejections import RejectionLog
-from phalanx.protocol.trace import TraceWriter
+from phalanx.protocol.trace import ALL_RANKS, TraceWriter
 from phalanx.protocol.transport import CoordinatorSocket, heartbeat_identity
 
 log = structlog.get_logger("phalanx.executor")
@@ -65,8 +65,11 @@ class RankLink:
         """Frames dropped so far: undecodable, unauthenticated, foreign, or from no rank."""
         return self.rejections.total
 
-    def send_to_peer(self, peer: bytes, payload: bytes) -> None:
-        """Send to a connection not bound to a rank (yet): a Challenge, or a Cancel."""
+    def send_to_peer(self, peer: bytes, payload: bytes, claimed_rank: int = ALL_RANKS) -> None:
+        """Send to a connection not bound to a rank (yet): a Challenge to the rank its Hello
+        claims, or a Cancel; recorded under ``claimed_rank`` (ALL_RANKS: a peer of no known rank)."""
+        if self.trace is not None:
+            self.trace.sent(payload, claimed_rank)
         with contextlib.suppress(zmq.ZMQError):  # a peer that left already needs no answer
             self.sock.send(peer, payload)
 

@@ -184,6 +184,7 @@ def test_generate_record_then_replay_run_matches(
         e.message.body for e in trace.replies() if e.rank == 0 and e.op in ("prefill_done", "decode_done")
     ]
     assert [t.token for body in primary for t in body.results] == generated
+    _assert_the_whole_startup_is_shown(recorded, capsys)
 
     argv = [
         "replay",
@@ -201,6 +202,24 @@ def test_generate_record_then_replay_run_matches(
         "replayed 6 commands at tp=2: every reply matches" in capsys.readouterr().out
     )  # prefill, 4 decodes, drop
     assert phalanx(["replay", "diff", str(recorded), str(replayed)]) == 0
+
+
+def _assert_the_whole_startup_is_shown(trace: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Each rank's handshake in order (its Hello, our Challenge to it, its Ready echoing the
+    nonce), then Go to every rank."""
+    assert phalanx(["replay", "show", str(trace), "--seq", "0:0"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    ops = [(line.split()[3], line.split()[5]) for line in lines]
+    for rank in ("0", "1"):
+        hello, challenge, ready = (
+            ops.index((f"{arrow}{rank}", op))
+            for arrow, op in (("<-", "hello"), ("->", "challenge"), ("<-", "ready"))
+        )
+        assert hello < challenge < ready, lines
+        nonce = lines[challenge].split("nonce=")[1]
+        assert len(nonce) == 32, lines[challenge]
+    assert ops[-1] == ("->all", "go"), lines
+    assert sum(op == "challenge" for _peer, op in ops) == 2
 
 
 def test_replay_comparison_reports_a_changed_token_and_a_lost_failure() -> None:
