@@ -104,12 +104,14 @@ class _Handshakes:
 
 
 def _key_mismatch(link: RankLink, epoch: int, exc: KeyMismatch) -> StartupError:
-    """Tell the peer (it cannot verify the Cancel either, which is how it learns) and fail."""
+    """Tell the peer (it cannot verify the Cancel either, which is how it learns; one that never
+    connected sees its own handshake fail) and fail."""
     reason = (
         f"a rank's frames fail authentication ({exc.detail}): {SECRET_ENV} differs between the "
         "coordinator and that rank"
     )
-    link.send_to_peer(exc.peer, encode(Envelope(PROTOCOL_VERSION, epoch, 0, Cancel(reason))))
+    if exc.peer is not None:
+        link.send_to_peer(exc.peer, encode(Envelope(PROTOCOL_VERSION, epoch, 0, Cancel(reason))))
     return StartupError(reason, phase="startup:handshake")
 
 

@@ -15,7 +15,7 @@ from phalanx.protocol import PROTOCOL_VERSION, ProtocolError, decode_reply, enco
 from phalanx.protocol.messages import Cancel, Envelope, Heartbeat, ReplyEnvelope
 from phalanx.protocol.rejections import RejectionLog
 from phalanx.protocol.trace import ALL_RANKS, TraceWriter
-from phalanx.protocol.transport import CoordinatorSocket, heartbeat_identity
+from phalanx.protocol.transport import WRONG_KEY, CoordinatorSocket, heartbeat_identity
 
 log = structlog.get_logger("phalanx.executor")
 
@@ -33,9 +33,10 @@ class DispatchError(Exception):
 
 
 class KeyMismatch(Exception):
-    """During startup, a peer's frame failed the HMAC check: its key is not the coordinator's."""
+    """During startup, a peer's frame failed the HMAC check, or its CURVE handshake failed on the
+    key: its key is not the coordinator's. ``peer``: its identity, None when it never connected."""
 
-    def __init__(self, peer: bytes, detail: str) -> None:
+    def __init__(self, peer: bytes | None, detail: str) -> None:
         super().__init__(detail)
         self.peer = peer
         self.detail = detail
@@ -102,6 +103,7 @@ class RankLink:
             # readable and turn every later wait into a busy loop.
             for rank in exited:
                 self._poller.unregister(rank.sentinel)
+        self._count_failed_handshakes(startup)
         received: list[tuple[bytes, ReplyEnvelope]] = []
         while self.sock.socket.poll(0):
             try:
@@ -126,6 +128,17 @@ class RankLink:
             if not isinstance(reply.body, Heartbeat):
                 received.append((identity, reply))
         return received
+
+    def _count_failed_handshakes(self, startup: bool) -> None:
+        """A peer whose CURVE handshake failed delivered nothing; count it with the rejected
+        frames. During startup a wrong key means a rank holds another secret: KeyMismatch."""
+        for code in self.sock.handshake_failures():
+            if startup and code == WRONG_KEY:
+                raise KeyMismatch(None, "a peer's encrypted (CURVE) handshake failed on the key")
+            self.rejections.record(
+                ProtocolError.UNAUTHENTICATED,
+                detail=f"a peer's CURVE handshake failed (ZMTP error {code:#x})",
+            )
 
     def _heard(self, identity: bytes, rank: int) -> None:
         """A frame keeps a rank alive only when it came from that rank's bound connection or its

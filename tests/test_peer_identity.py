@@ -18,7 +18,7 @@ from phalanx.executor.errors import ExecutorPoisoned, StartupError
 from phalanx.executor.launcher import launch_executor
 from phalanx.executor.runtime import Executor
 from phalanx.protocol import PROTOCOL_VERSION, ProtocolError, decode_envelope, encode
-from phalanx.protocol.auth import key_from_secret, rank_authenticator
+from phalanx.protocol.auth import key_from_secret, rank_authenticator, rank_curve_options
 from phalanx.protocol.messages import Capacity, Heartbeat, Hello, Ready, ReplyEnvelope
 from tests.runtime_helpers import chunk, free_port, row, small_config, start_attached_rank
 
@@ -38,13 +38,22 @@ def _stop(processes: list[subprocess.Popen]) -> None:
         process.wait(10)
 
 
-def _intruder(address: str) -> zmq.Socket:
-    """A peer that claims rank 1's old, fixed socket identity and replays the handshake rank 1
-    sent in an earlier launch (same shared secret, that launch's epoch and challenge)."""
+def _curve_peer(address: str, identity: bytes) -> zmq.Socket:
+    """A DEALER that holds the shared secret, so it completes the encrypted (CURVE) handshake."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.IDENTITY, b"rank-1")
+    sock.setsockopt(zmq.IDENTITY, identity)
+    for option, value in rank_curve_options(key_from_secret(SECRET.encode())).items():
+        sock.setsockopt(option, value)
     sock.connect(address)
+    return sock
+
+
+def _intruder(address: str) -> zmq.Socket:
+    """A peer that claims rank 1's old, fixed socket identity and replays the handshake rank 1
+    sent in an earlier launch (same shared secret, so it completes the encrypted handshake; that
+    launch's epoch and challenge)."""
+    sock = _curve_peer(address, b"rank-1")
     earlier = rank_authenticator(key_from_secret(SECRET.encode()), 1)
     ready = Ready(Capacity(32, 4, 4, 128), "cpu", 1, "elsewhere", nonce=b"an earlier launch")
     sock.send(earlier.sign(encode(ReplyEnvelope(PROTOCOL_VERSION, 0, 1, 0, Hello()))))
@@ -144,9 +153,7 @@ def test_a_replayed_frame_on_its_own_connection_keeps_the_genuine_counters() -> 
 
 def _forge_heartbeats(address: str, rank: int, epoch: int, stop: threading.Event) -> None:
     """Beat for ``rank`` every 0.1 s from a connection of our own, signed with the shared secret."""
-    forger = zmq.Context.instance().socket(zmq.DEALER)
-    forger.setsockopt(zmq.LINGER, 0)
-    forger.connect(address)
+    forger = _curve_peer(address, b"forger")
     signer = rank_authenticator(key_from_secret(SECRET.encode()), rank)
     while not stop.wait(0.1):
         forger.send(signer.sign(encode(ReplyEnvelope(PROTOCOL_VERSION, epoch, rank, 0, Heartbeat(0.0)))))
