@@ -76,10 +76,11 @@ class _Handshakes:
         self.nonces: dict[bytes, bytes] = {}
         self.refused_claims: set[int] = set()  # ranks whose second claim was logged (once each)
 
-    def hello(self, peer: bytes) -> None:
+    def hello(self, peer: bytes, claimed_rank: int) -> None:
         nonce = secrets.token_bytes(16)
         self.nonces[peer] = nonce
-        self.link.send_to_peer(peer, encode(Envelope(PROTOCOL_VERSION, self.epoch, 0, Challenge(nonce))))
+        challenge = encode(Envelope(PROTOCOL_VERSION, self.epoch, 0, Challenge(nonce)))
+        self.link.send_to_peer(peer, challenge, claimed_rank)
 
     def bind(self, peer: bytes, rank: int, ready: Ready, epoch: int) -> bool:
         """Bind ``rank`` to ``peer``; False (and logged) when the Ready is refused."""
@@ -103,12 +104,14 @@ class _Handshakes:
 
 
 def _key_mismatch(link: RankLink, epoch: int, exc: KeyMismatch) -> StartupError:
-    """Tell the peer (it cannot verify the Cancel either, which is how it learns) and fail."""
+    """Tell the peer (it cannot verify the Cancel either, which is how it learns; one that never
+    connected sees its own handshake fail) and fail."""
     reason = (
         f"a rank's frames fail authentication ({exc.detail}): {SECRET_ENV} differs between the "
         "coordinator and that rank"
     )
-    link.send_to_peer(exc.peer, encode(Envelope(PROTOCOL_VERSION, epoch, 0, Cancel(reason))))
+    if exc.peer is not None:
+        link.send_to_peer(exc.peer, encode(Envelope(PROTOCOL_VERSION, epoch, 0, Cancel(reason))))
     return StartupError(reason, phase="startup:handshake")
 
 
@@ -137,7 +140,7 @@ def _collect_ready(link: RankLink, epoch: int, deadline: float, timeout: float) 
             if isinstance(reply.body, Failed):
                 raise _failure(reply.rank, reply.body)
             if isinstance(reply.body, Hello):
-                handshakes.hello(identity)
+                handshakes.hello(identity, reply.rank)
             if not isinstance(reply.body, Ready) or not handshakes.bind(
                 identity, reply.rank, reply.body, reply.epoch
             ):

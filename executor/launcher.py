@@ -18,7 +18,12 @@ from phalanx.executor.model_info import read_model_info
 from phalanx.executor.precapture import precapture_decode_graphs
 from phalanx.executor.ranks import RankHandle
 from phalanx.executor.runtime import Executor
-from phalanx.protocol.auth import coordinator_authenticator, key_from_secret, new_key
+from phalanx.protocol.auth import (
+    coordinator_authenticator,
+    coordinator_curve_options,
+    key_from_secret,
+    new_key,
+)
 from phalanx.protocol.launch import WORKER_ENTRY, encode_config, rank_config, run_entry
 from phalanx.protocol.trace import open_trace
 from phalanx.protocol.transport import CoordinatorSocket, RuntimeDir, tcp_address
@@ -68,7 +73,13 @@ def launch_executor(config: ExecutorConfig) -> Executor:
     else:
         address = tcp_address(parallel.host, parallel.port)
     key = _auth_key(config)
-    sock = CoordinatorSocket(address, coordinator_authenticator(key, parallel.tp) if key else None)
+    sock = (  # TCP: frames signed, connections encrypted (CURVE), both under the launch's key
+        CoordinatorSocket(
+            address, coordinator_authenticator(key, parallel.tp), coordinator_curve_options(key)
+        )
+        if key
+        else CoordinatorSocket(address)
+    )
     if parallel.attach:
         log.info("waiting for ranks to connect", address=sock.address, world_size=parallel.tp)
         ranks = [RankHandle(rank) for rank in range(parallel.tp)]

@@ -14,8 +14,8 @@ from phalanx.executor.ranks import RankHandle
 from phalanx.protocol import PROTOCOL_VERSION, ProtocolError, decode_reply, encode
 from phalanx.protocol.messages import Cancel, Envelope, Heartbeat, ReplyEnvelope
 from phalanx.protocol.rejections import RejectionLog
-from phalanx.protocol.trace import TraceWriter
-from phalanx.protocol.transport import CoordinatorSocket
+from phalanx.protocol.trace import ALL_RANKS, TraceWriter
+from phalanx.protocol.transport import WRONG_KEY, CoordinatorSocket, heartbeat_identity
 
 log = structlog.get_logger("phalanx.executor")
 
@@ -33,9 +33,10 @@ class DispatchError(Exception):
 
 
 class KeyMismatch(Exception):
-    """During startup, a peer's frame failed the HMAC check: its key is not the coordinator's."""
+    """During startup, a peer's frame failed the HMAC check, or its CURVE handshake failed on the
+    key: its key is not the coordinator's. ``peer``: its identity, None when it never connected."""
 
-    def __init__(self, peer: bytes, detail: str) -> None:
+    def __init__(self, peer: bytes | None, detail: str) -> None:
         super().__init__(detail)
         self.peer = peer
         self.detail = detail
@@ -65,8 +66,11 @@ class RankLink:
         """Frames dropped so far: undecodable, unauthenticated, foreign, or from no rank."""
         return self.rejections.total
 
-    def send_to_peer(self, peer: bytes, payload: bytes) -> None:
-        """Send to a connection not bound to a rank (yet): a Challenge, or a Cancel."""
+    def send_to_peer(self, peer: bytes, payload: bytes, claimed_rank: int = ALL_RANKS) -> None:
+        """Send to a connection not bound to a rank (yet): a Challenge to the rank its Hello
+        claims, or a Cancel; recorded under ``claimed_rank`` (ALL_RANKS: a peer of no known rank)."""
+        if self.trace is not None:
+            self.trace.sent(payload, claimed_rank)
         with contextlib.suppress(zmq.ZMQError):  # a peer that left already needs no answer
             self.sock.send(peer, payload)
 
@@ -99,6 +103,7 @@ class RankLink:
             # readable and turn every later wait into a busy loop.
             for rank in exited:
                 self._poller.unregister(rank.sentinel)
+        self._count_failed_handshakes(startup)
         received: list[tuple[bytes, ReplyEnvelope]] = []
         while self.sock.socket.poll(0):
             try:
@@ -110,18 +115,48 @@ class RankLink:
                     raise ProtocolError(
                         ProtocolError.FOREIGN_EPOCH, f"reply has epoch {reply.epoch}, expected {epoch}"
                     )
-                if not startup and not isinstance(reply.body, Heartbeat):
+                if isinstance(reply.body, Heartbeat):
+                    self._check_heartbeat(identity, reply.rank)
+                elif not startup:
                     self._check_bound(identity, reply.rank)
             except ProtocolError as exc:
                 if startup and exc.cause == "bad_tag" and exc.peer is not None:
                     raise KeyMismatch(exc.peer, exc.detail) from None
                 self.rejections.record(exc.reason, detail=exc.detail)
                 continue
-            if 0 <= reply.rank < len(self.ranks):
-                self.ranks[reply.rank].heard()
+            self._heard(identity, reply.rank)
             if not isinstance(reply.body, Heartbeat):
                 received.append((identity, reply))
         return received
+
+    def _count_failed_handshakes(self, startup: bool) -> None:
+        """A peer whose CURVE handshake failed delivered nothing; count it with the rejected
+        frames. During startup a wrong key means a rank holds another secret: KeyMismatch."""
+        for code in self.sock.handshake_failures():
+            if startup and code == WRONG_KEY:
+                raise KeyMismatch(None, "a peer's encrypted (CURVE) handshake failed on the key")
+            self.rejections.record(
+                ProtocolError.UNAUTHENTICATED,
+                detail=f"a peer's CURVE handshake failed (ZMTP error {code:#x})",
+            )
+
+    def _heard(self, identity: bytes, rank: int) -> None:
+        """A frame keeps a rank alive only when it came from that rank's bound connection or its
+        heartbeat connection."""
+        if 0 <= rank < len(self.ranks):
+            bound = self.ranks[rank].identity
+            if bound is not None and identity in (bound, heartbeat_identity(bound)):
+                self.ranks[rank].heard()
+
+    def _check_heartbeat(self, identity: bytes, rank: int) -> None:
+        """A heartbeat counts only from the heartbeat connection of the connection bound to the
+        rank it claims: a forged one cannot keep a dead rank alive."""
+        bound = self.ranks[rank].identity if 0 <= rank < len(self.ranks) else None
+        if bound is None or identity != heartbeat_identity(bound):
+            raise ProtocolError(
+                ProtocolError.UNBOUND_PEER,
+                f"a heartbeat claiming rank {rank} came from a connection not bound to that rank",
+            )
 
     def _check_bound(self, identity: bytes, rank: int) -> None:
         """A reply counts only from a connection that a rank's handshake bound (which rank it

@@ -16,6 +16,12 @@ shared secret in ``PHALANX_SECRET`` (:func:`key_from_secret`); they cannot know 
 its Go, so a frame of an earlier launch is refused by its foreign epoch instead.
 Every rejected frame raises ``ProtocolError(UNAUTHENTICATED)`` and is counted in ``drops``; the
 receiver logs it at a bounded rate (``protocol.rejections``).
+
+The same key also encrypts the connections (ZeroMQ CURVE, ``protocol.transport``): the
+coordinator's CURVE keypair is derived from it (:func:`coordinator_curve_options`), so a rank that
+holds the key, or the shared secret it comes from, trusts the right public key and needs no other
+key material (:func:`rank_curve_options`). A peer with another secret cannot complete the
+handshake; one without CURVE cannot connect at all.
 """
 
 from __future__ import annotations
@@ -28,9 +34,12 @@ import struct
 import threading
 from collections.abc import Iterable
 
+import zmq
+from zmq.utils import z85
+
 from phalanx.config import settings
 from phalanx.protocol.errors import ProtocolError
-from phalanx.protocol.transport import Framer
+from phalanx.protocol.transport import Framer, SocketOptions, curve_client_options, curve_server_options
 
 AUTH_VERSION = 1
 COORDINATOR = 0xFFFFFFFF
@@ -58,6 +67,21 @@ def key_from_secret(secret: bytes) -> bytes:
 def _check_secret(secret: bytes) -> None:
     if len(secret) < 16:
         raise ValueError(f"the shared secret has {len(secret)} bytes; at least 16 are required")
+
+
+def curve_server_secret_key(key: bytes) -> bytes:
+    """The coordinator's CURVE secret key (Z85) for the control plane under ``key``."""
+    return z85.encode(hmac.digest(key, b"phalanx curve server", "sha256"))
+
+
+def coordinator_curve_options(key: bytes) -> SocketOptions:
+    """The coordinator's socket options: the CURVE server with the keypair derived from ``key``."""
+    return curve_server_options(curve_server_secret_key(key))
+
+
+def rank_curve_options(key: bytes) -> SocketOptions:
+    """A rank's socket options: a CURVE client that trusts the public key derived from ``key``."""
+    return curve_client_options(zmq.curve_public(curve_server_secret_key(key)))
 
 
 def coordinator_authenticator(key: bytes, world_size: int) -> FrameAuthenticator:

@@ -7,7 +7,6 @@ ends in a partial character, so streamed deltas concatenate to exactly the full 
 
 from __future__ import annotations
 
-import functools
 import json
 from pathlib import Path
 
@@ -61,14 +60,10 @@ class TextTokenizer:
                 (special.add if token.get("special") else special.discard)(int(token_id))
         return cls(tokenizer, frozenset(special))
 
-    @functools.cached_property
-    def max_token_bytes(self) -> int:
-        """The longest text one token stands for, in bytes (byte-level vocabularies spell one byte
-        a character): a text of B bytes has at least B / max_token_bytes tokens."""
-        return max(len(token.encode()) for token in self.tokenizer.get_vocab(with_added_tokens=True))
-
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the interpreter lock while it works (encode holds it throughout),
+        # so the event loop's other streams go on while a long text is tokenized in a thread.
+        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int]) -> str:
         """Text of ``ids`` without special tokens."""

@@ -15,6 +15,7 @@ from phalanx.server.detokenizer import TextTokenizer
 from phalanx.server.errors import bad_request, unavailable
 from phalanx.server.generation import Generation, StopRule
 from phalanx.server.metrics import ServerMetrics
+from phalanx.server.prompt_tokens import TooManyTokens, encode_within
 from phalanx.server.schemas import ChatCompletionRequest, SamplingRequest
 from phalanx.server.structured import (
     GrammarCheck,
@@ -81,22 +82,22 @@ class ServerState:
     def completion_prompt_ids(self, prompt: str | list[int]) -> list[int]:
         """The prompt's token ids (tokenizing is slow on long texts: call it off the event loop)."""
         if isinstance(prompt, str):
-            self._check_text_length(prompt, "prompt")
-            return self.tokenizer.encode(prompt, add_special_tokens=True)
+            return self._encode_prompt(prompt, "prompt", add_special_tokens=True)
         return list(prompt)
 
-    def _check_text_length(self, text: str, param: str) -> None:
-        """Refuse, without tokenizing it, a text that has more tokens than the context holds
-        whatever they are. Half the bytes-per-token bound leaves room for a normalizer that
-        composes characters."""
-        fewest = len(text.encode("utf-8", "surrogatepass")) // (2 * self.tokenizer.max_token_bytes)
-        if fewest >= self.max_context:
+    def _encode_prompt(self, text: str, param: str, add_special_tokens: bool) -> list[int]:
+        """The text's token ids; tokenizing stops as soon as it has more than the context minus
+        the one token a completion needs, and that is refused."""
+        try:
+            return encode_within(self.tokenizer, text, add_special_tokens, self.max_context - 1)
+        except TooManyTokens as e:
             raise bad_request(
                 f"This model's maximum context length is {self.max_context} tokens, and the prompt"
-                f" has at least {fewest} tokens.",
+                f" has at least {e.counted} tokens (at least one token must be left for the"
+                " completion).",
                 param=param,
                 code="context_length_exceeded",
-            )
+            ) from e
 
     def chat_prompt(self, body: ChatCompletionRequest) -> tuple[str, list[int]]:
         """The rendered prompt and its token ids (slow on long texts: call it off the event loop)."""
@@ -112,9 +113,8 @@ class ServerState:
             )
         except ChatTemplateError as e:
             raise bad_request(str(e), param="messages") from e
-        self._check_text_length(text, "messages")
         # the template already wrote any BOS; the tokenizer must not add another
-        return text, self.tokenizer.encode(text, add_special_tokens=False)
+        return text, self._encode_prompt(text, "messages", add_special_tokens=False)
 
     def start(
         self,

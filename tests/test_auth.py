@@ -32,6 +32,7 @@ from phalanx.protocol.auth import (
     key_from_secret,
     new_key,
     rank_authenticator,
+    rank_curve_options,
 )
 from phalanx.protocol.errors import ProtocolError
 
@@ -165,6 +166,8 @@ def test_tcp_launch_drops_unsigned_forged_and_replayed_frames(
         replayer = rank_authenticator(coordinator._key, 0)  # counters 1..3 were rank 0's own
         stranger = zmq.Context.instance().socket(zmq.DEALER)
         stranger.setsockopt(zmq.LINGER, 0)
+        for option, value in rank_curve_options(coordinator._key).items():  # past the encryption
+            stranger.setsockopt(option, value)
         stranger.connect(ex.address)
         frames = [forged] * 20 + [wrong_key.sign(forged) for _ in range(20)]
         frames += [replayer.sign(forged) for _ in range(3)]

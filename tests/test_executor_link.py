@@ -15,7 +15,7 @@ from phalanx.executor.ranks import RankHandle
 from phalanx.executor.runtime import Executor
 from phalanx.protocol import PROTOCOL_VERSION, encode
 from phalanx.protocol.messages import Ack, Capacity, Failed, Heartbeat, Ping, ReplyEnvelope
-from phalanx.protocol.transport import CoordinatorSocket, RankSocket, RuntimeDir
+from phalanx.protocol.transport import CoordinatorSocket, RankSocket, RuntimeDir, heartbeat_identity
 
 EPOCH = 11
 
@@ -26,7 +26,9 @@ def wired():
     sock = CoordinatorSocket(runtime.ipc_address())
     ranks = [RankHandle(0), RankHandle(1)]  # remote ranks: watched through heartbeats
     link = RankLink(sock, ranks, heartbeat_timeout=0.3)
-    peers = [RankSocket(sock.address, f"rank-{rank}".encode()) for rank in range(2)]
+    commands = [RankSocket(sock.address, f"rank-{rank}".encode()) for rank in range(2)]
+    beats = [RankSocket(sock.address, heartbeat_identity(f"rank-{rank}".encode())) for rank in range(2)]
+    peers = [*commands, *beats]  # a rank's command connection at [rank], its heartbeats' at [2 + rank]
     yield link, peers
     for peer in peers:
         peer.close(linger_ms=0)
@@ -52,7 +54,7 @@ def test_foreign_epoch_and_garbage_are_dropped_and_counted(wired) -> None:
         rank.identity = f"rank-{rank.rank}".encode()
     _send(peers[0], 0, Ack(), epoch=EPOCH + 1)
     peers[1].send(b"\x00not msgpack")
-    _send(peers[1], 1, Heartbeat(0.0))
+    _send(peers[3], 1, Heartbeat(0.0))
     _send(peers[0], 0, Ack())
     received = _drain(link, seconds=0.5)
     assert [(reply.rank, reply.body) for _identity, reply in received] == [(0, Ack())]
@@ -76,7 +78,7 @@ def test_silent_remote_rank_is_dead_and_unreachable_rank_fails_dispatch(wired) -
         rank.identity = f"rank-{rank.rank}".encode()
     started = time.monotonic()
     while time.monotonic() - started < 0.6:  # rank 0 beats, rank 1 stays silent
-        _send(peers[0], 0, Heartbeat(time.time()))
+        _send(peers[2], 0, Heartbeat(time.time()))
         link.wait(0.1, EPOCH)
     dead = link.first_death()
     assert dead is not None and dead.rank == 1
@@ -85,6 +87,31 @@ def test_silent_remote_rank_is_dead_and_unreachable_rank_fails_dispatch(wired) -
     link.ranks[1].identity = b"nobody"
     with pytest.raises(DispatchError, match="failed to dispatch to rank 1"):
         link.broadcast(b"x")
+
+
+def test_heartbeats_from_a_connection_not_bound_to_the_rank_keep_no_rank_alive(wired) -> None:
+    """Signed heartbeats claiming rank 1 from an intruder's connection, and from rank 0's own
+    connections, are rejected and counted; rank 1, silent itself, is dead all the same."""
+    link, peers = wired
+    for rank in link.ranks:
+        rank.identity = f"rank-{rank.rank}".encode()
+    intruder = RankSocket(link.sock.address, heartbeat_identity(b"rank-9"))
+    try:
+        started = time.monotonic()
+        while time.monotonic() - started < 0.6:
+            _send(peers[2], 0, Heartbeat(time.time()))  # rank 0's genuine heartbeat
+            for forger in (intruder, peers[0], peers[2]):
+                _send(forger, 1, Heartbeat(time.time()))
+            link.wait(0.1, EPOCH)
+        link.wait(0.1, EPOCH)
+    finally:
+        intruder.close(linger_ms=0)
+    dead = link.first_death()
+    assert dead is not None and dead.rank == 1, link.ranks[1].death(0.3)
+    assert dead.death(0.3).startswith("rank 1 sent no heartbeat for ")
+    assert link.first_death(among=[0]) is None
+    assert link.rejected_frames >= 3 * 5
+    assert set(link.rejections.by_reason) == {"unbound_peer"}
 
 
 def test_a_send_that_finds_a_rank_gone_names_the_failure_it_left_behind(wired) -> None:

@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parent.parent
 RANK = """
 import sys, time
 from phalanx.worker.heartbeat import HeartbeatThread
-thread = HeartbeatThread(sys.argv[1], rank=0, epoch=1, interval_s=0.05, coordinator_grace_s=float(sys.argv[2]))
+thread = HeartbeatThread(sys.argv[1], b"rank-0/heartbeat", {}, rank=0, epoch=1, interval_s=0.05, coordinator_grace_s=float(sys.argv[2]))
 thread.start()
 time.sleep(float(sys.argv[3]))
 print("still here", flush=True)

@@ -5,6 +5,7 @@ refused and logged once, and a rank with another secret fails on both sides with
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import threading
 import time
@@ -13,12 +14,12 @@ from pathlib import Path
 import pytest
 import zmq
 
-from phalanx.executor.errors import StartupError
+from phalanx.executor.errors import ExecutorPoisoned, StartupError
 from phalanx.executor.launcher import launch_executor
 from phalanx.executor.runtime import Executor
 from phalanx.protocol import PROTOCOL_VERSION, ProtocolError, decode_envelope, encode
-from phalanx.protocol.auth import key_from_secret, rank_authenticator
-from phalanx.protocol.messages import Capacity, Decode, Hello, Prefill, Ready, ReplyEnvelope
+from phalanx.protocol.auth import key_from_secret, rank_authenticator, rank_curve_options
+from phalanx.protocol.messages import Capacity, Decode, Heartbeat, Hello, Prefill, Ready, ReplyEnvelope
 from tests.runtime_helpers import chunk, free_port, row, small_config, start_attached_rank
 
 SECRET = "peer-identity-test-shared-secret"
@@ -37,13 +38,22 @@ def _stop(processes: list[subprocess.Popen]) -> None:
         process.wait(10)
 
 
-def _intruder(address: str) -> zmq.Socket:
-    """A peer that claims rank 1's old, fixed socket identity and replays the handshake rank 1
-    sent in an earlier launch (same shared secret, that launch's epoch and challenge)."""
+def _curve_peer(address: str, identity: bytes) -> zmq.Socket:
+    """A DEALER that holds the shared secret, so it completes the encrypted (CURVE) handshake."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.IDENTITY, b"rank-1")
+    sock.setsockopt(zmq.IDENTITY, identity)
+    for option, value in rank_curve_options(key_from_secret(SECRET.encode())).items():
+        sock.setsockopt(option, value)
     sock.connect(address)
+    return sock
+
+
+def _intruder(address: str) -> zmq.Socket:
+    """A peer that claims rank 1's old, fixed socket identity and replays the handshake rank 1
+    sent in an earlier launch (same shared secret, so it completes the encrypted handshake; that
+    launch's epoch and challenge)."""
+    sock = _curve_peer(address, b"rank-1")
     earlier = rank_authenticator(key_from_secret(SECRET.encode()), 1)
     ready = Ready(Capacity(32, 4, 4, 128), "cpu", 1, "elsewhere", nonce=b"an earlier launch")
     sock.send(earlier.sign(encode(ReplyEnvelope(PROTOCOL_VERSION, 0, 1, 0, Hello()))))
@@ -139,3 +149,46 @@ def test_a_replayed_frame_on_its_own_connection_keeps_the_genuine_counters() -> 
     assert coordinator.verify(frame, peer=b"rank") == b"hello"  # the genuine rank is not locked out
     with pytest.raises(ProtocolError, match="already accepted"):
         coordinator.verify(frame, peer=b"rank")
+
+
+def _forge_heartbeats(address: str, rank: int, epoch: int, stop: threading.Event) -> None:
+    """Beat for ``rank`` every 0.1 s from a connection of our own, signed with the shared secret."""
+    forger = _curve_peer(address, b"forger")
+    signer = rank_authenticator(key_from_secret(SECRET.encode()), rank)
+    while not stop.wait(0.1):
+        forger.send(signer.sign(encode(ReplyEnvelope(PROTOCOL_VERSION, epoch, rank, 0, Heartbeat(0.0)))))
+    forger.close()
+
+
+def test_forged_heartbeats_do_not_keep_a_stopped_rank_alive(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A peer holding the secret beats for rank 1 from its own connection while rank 1 is
+    stopped: the replica is poisoned naming rank 1 all the same, the forged beats are counted,
+    and rank 0's genuine heartbeats kept it alive through the idle seconds before."""
+    monkeypatch.setenv("PHALANX_SECRET", SECRET)
+    port, master_port = free_port(), free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    ranks = [start_attached_rank(rank, tiny_model_dir, address, master_port) for rank in range(2)]
+    stop_forging = threading.Event()
+    ex = None
+    try:
+        ex = launch_executor(small_config(tiny_model_dir, 2, transport="tcp", attach=True, port=port))
+        forging = threading.Thread(target=_forge_heartbeats, args=(address, 1, ex.epoch, stop_forging))
+        forging.start()
+        time.sleep(3.0)  # longer than the heartbeat timeout: only genuine heartbeats carry it
+        ex.ping()
+        ranks[1].send_signal(signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        with pytest.raises(ExecutorPoisoned, match="rank 1 sent no heartbeat"):
+            while True:  # an idle executor notices at its next call
+                ex.ping()
+                time.sleep(0.1)
+        assert time.monotonic() - stopped_at < 5.0
+        assert ex.rejected_frames > 0
+    finally:
+        stop_forging.set()
+        if ex is not None:
+            ex.shutdown()
+        ranks[1].send_signal(signal.SIGCONT)
+        _stop(ranks)

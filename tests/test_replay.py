@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import json
 from pathlib import Path
@@ -189,6 +188,7 @@ def test_generate_record_then_replay_run_matches(
         e.message.body for e in trace.replies() if e.rank == 0 and e.op in ("prefill_done", "decode_done")
     ]
     assert [t.token for body in primary for t in body.results] == generated
+    _assert_the_whole_startup_is_shown(recorded, capsys)
 
     argv = [
         "replay",
@@ -215,9 +215,15 @@ def test_a_pipelined_scheduler_run_replays_reply_for_reply(
     drops with compaction, as the scheduler sends them: a fresh launch answers every one alike."""
     recorded = tmp_path / "scheduler.trace"
     config = EngineConfig(
-        model_dir=tiny_model_dir, tp=2, kv_pages=32, page_size=4, max_slots=4, max_batch_tokens=16
+        model_dir=tiny_model_dir,
+        tp=2,
+        kv_pages=32,
+        page_size=4,
+        max_slots=4,
+        max_batch_tokens=16,
+        record=str(recorded),
     )
-    executor = launch(dataclasses.replace(config, executor_options={"record": str(recorded)}))
+    executor = launch(config)
     events: list[object] = []
     try:
         scheduler = Scheduler(executor, (), pipeline=True)
@@ -247,6 +253,24 @@ def test_a_pipelined_scheduler_run_replays_reply_for_reply(
     argv = ["replay", "run", str(recorded), "--model", str(tiny_model_dir), "--tp", "2"]
     assert phalanx(argv) == 0
     assert "every reply matches" in capsys.readouterr().out
+
+
+def _assert_the_whole_startup_is_shown(trace: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Each rank's handshake in order (its Hello, our Challenge to it, its Ready echoing the
+    nonce), then Go to every rank."""
+    assert phalanx(["replay", "show", str(trace), "--seq", "0:0"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    ops = [(line.split()[3], line.split()[5]) for line in lines]
+    for rank in ("0", "1"):
+        hello, challenge, ready = (
+            ops.index((f"{arrow}{rank}", op))
+            for arrow, op in (("<-", "hello"), ("->", "challenge"), ("<-", "ready"))
+        )
+        assert hello < challenge < ready, lines
+        nonce = lines[challenge].split("nonce=")[1]
+        assert len(nonce) == 32, lines[challenge]
+    assert ops[-1] == ("->all", "go"), lines
+    assert sum(op == "challenge" for _peer, op in ops) == 2
 
 
 def test_replay_comparison_reports_a_changed_token_and_a_lost_failure() -> None:

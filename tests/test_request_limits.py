@@ -5,9 +5,10 @@ no input at all (hypothesis, over every field and JSON type) with a 5xx or a poi
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from live_server import MODEL_NAME, live_server
+
+from phalanx.server.prompt_tokens import SLICE_CHARS
 
 INT64 = 1 << 63
 CHAT = "/v1/chat/completions"
@@ -143,33 +146,66 @@ def test_a_body_over_the_limit_is_a_413(http: httpx.Client) -> None:
     _assert_healthy(http)
 
 
-def test_a_long_prompt_is_refused_without_stalling_other_requests(http: httpx.Client) -> None:
+def _largest_gap_of_a_stream_while(http: httpx.Client, refused: Callable[[], None]) -> float:
+    """Run ``refused`` while a long generation streams; the largest gap between its events (s)."""
+    gaps: list[float] = []
+    streaming = threading.Event()
+
+    def stream() -> None:
+        body = _body(COMPLETIONS, prompt=[5, 6, 7], max_tokens=400, ignore_eos=True, stream=True)
+        with httpx.stream("POST", http.base_url.join(COMPLETIONS), json=body, timeout=60) as reply:
+            last = None
+            for line in reply.iter_lines():
+                now = time.monotonic()
+                if line.startswith("data:") and last is not None:
+                    gaps.append(now - last)
+                last = now
+                streaming.set()
+
+    streamer = threading.Thread(target=stream)
+    streamer.start()
+    assert streaming.wait(30)
+    refused()
+    streamer.join()
+    assert len(gaps) >= 400, len(gaps)
+    return max(gaps)
+
+
+def test_a_prompt_far_over_the_context_is_refused_while_tokenizing(http: httpx.Client) -> None:
+    context = http.get("/v1/models").json()["data"][0]["max_model_len"]
     text = "lorem ipsum dolor " * 400_000  # 7.2 MB: under the body limit, far over the context
-    started = time.monotonic()
-    long = http.post(COMPLETIONS, json=_body(COMPLETIONS, prompt=text))
-    assert long.status_code == 400
-    assert long.json()["error"]["code"] == "context_length_exceeded"
-    assert time.monotonic() - started < 5.0
 
+    def refuse_the_long_prompt() -> None:
+        started = time.monotonic()
+        long = http.post(COMPLETIONS, json=_body(COMPLETIONS, prompt=text))
+        assert time.monotonic() - started < 5.0
+        assert long.status_code == 400, long.text
+        error = long.json()["error"]
+        assert (error["param"], error["code"]) == ("prompt", "context_length_exceeded")
+        said = re.fullmatch(
+            rf"This model's maximum context length is {context} tokens, and the prompt has at least"
+            r" (\d+) tokens \(at least one token must be left for the completion\)\.",
+            error["message"],
+        )
+        # counting stopped within one slice of the context, not at the text's 1.2 M tokens
+        assert said is not None and context <= int(said[1]) <= context + SLICE_CHARS, error["message"]
+
+    slowest = _largest_gap_of_a_stream_while(http, refuse_the_long_prompt)
+    assert slowest < 1.0, f"a stream waited {slowest:.2f} s for a token while a long prompt was refused"
+
+
+def test_chat_messages_far_over_the_context_are_refused_without_stalling(http: httpx.Client) -> None:
     messages = [{"role": "user", "content": "lorem ipsum " * 40}] * 12_000  # rendered, then refused
-    slowest = 0.0
-    done = threading.Event()
 
-    def chat() -> None:
-        try:
-            reply = httpx.post(http.base_url.join(CHAT), json=_body(CHAT, messages=messages), timeout=60)
-            assert reply.status_code == 400 and reply.json()["error"]["param"] == "messages"
-        finally:
-            done.set()
+    def refuse_the_long_chat() -> None:
+        reply = http.post(CHAT, json=_body(CHAT, messages=messages))
+        assert reply.status_code == 400, reply.text
+        error = reply.json()["error"]
+        assert (error["param"], error["code"]) == ("messages", "context_length_exceeded")
+        assert "and the prompt has at least" in error["message"]
 
-    worker = threading.Thread(target=chat)
-    worker.start()
-    while not done.is_set():
-        sent = time.monotonic()
-        _assert_healthy(http)
-        slowest = max(slowest, time.monotonic() - sent)
-    worker.join()
-    assert slowest < 1.0, f"/health took {slowest:.2f} s while a long chat was rendered"
+    slowest = _largest_gap_of_a_stream_while(http, refuse_the_long_chat)
+    assert slowest < 1.0, f"a stream waited {slowest:.2f} s for a token while a long chat was refused"
 
 
 # -- no input gives a 5xx or poisons ----------------------------------------------------------------

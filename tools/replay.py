@@ -20,6 +20,7 @@ from phalanx.protocol.messages import (
     FED_TOKEN,
     NO_FEED,
     Cancel,
+    Challenge,
     Decode,
     DecodeDone,
     DecodeRow,
@@ -92,6 +93,8 @@ def describe_body(body: object) -> str:
             )
         case Cancel(reason=reason):
             return reason
+        case Challenge(nonce=nonce):
+            return f"nonce={nonce.hex()}"
         case Ready(capacity=cap, device=device, pid=pid, host=host):
             return f"{device} pid={pid}@{host} kv_pages={cap.kv_pages} slots={cap.max_slots}"
         case PrefillDone(results=results) | DecodeDone(results=results):
@@ -218,11 +221,13 @@ def stats(trace: Trace) -> list[str]:
 
 
 def _comparable(body: object) -> object:
-    """What must be equal between two runs: not pids, hosts, rendezvous ports or tracebacks."""
+    """What must be equal between two runs: not pids, hosts, rendezvous ports, nonces or tracebacks."""
     if isinstance(body, Go):
         return ("go", body.capacity, body.dist_backend)
     if isinstance(body, Ready):
         return ("ready", body.capacity, body.device)
+    if isinstance(body, Challenge):  # a fresh nonce every launch
+        return ("challenge",)
     if isinstance(body, Failed):
         return ("failed", body.kind, body.phase, body.message)
     return body

@@ -26,7 +26,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from phalanx.protocol import PROTOCOL_VERSION, encode
 from phalanx.protocol.messages import Heartbeat, ReplyEnvelope
-from phalanx.protocol.transport import Framer, RankSocket, connection_identity
+from phalanx.protocol.transport import Framer, RankSocket, SocketOptions
 
 log = structlog.get_logger("phalanx.worker")
 
@@ -37,6 +37,8 @@ class HeartbeatThread:
     def __init__(
         self,
         address: str,
+        identity: bytes,
+        socket_options: SocketOptions,
         rank: int,
         epoch: int,
         interval_s: float,
@@ -44,6 +46,8 @@ class HeartbeatThread:
         coordinator_grace_s: float = 10.0,
     ) -> None:
         self._address = address
+        self._identity = identity  # heartbeat_identity() of the rank's bound command connection
+        self._socket_options = socket_options  # CURVE's on TCP
         self._rank = rank
         self._epoch = epoch
         self._interval = interval_s
@@ -60,11 +64,9 @@ class HeartbeatThread:
 
     def _beat(self) -> None:
         # ZMTP pings notice a coordinator host that vanished without closing the connection.
-        options = {zmq.HEARTBEAT_IVL: 1000, zmq.HEARTBEAT_TIMEOUT: 3000}
+        options = {zmq.HEARTBEAT_IVL: 1000, zmq.HEARTBEAT_TIMEOUT: 3000, **self._socket_options}
         events = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
-        sock = RankSocket(
-            self._address, connection_identity(f"heartbeat-{self._rank}"), self._framer, options, events
-        )
+        sock = RankSocket(self._address, self._identity, self._framer, options, events)
         monitor = sock.monitor
         disconnected_since: float | None = time.monotonic()  # until the first connection
         try:

@@ -22,7 +22,7 @@ from setproctitle import setproctitle
 from tqdm import tqdm
 
 from phalanx.protocol import PROTOCOL_VERSION, ProtocolError, decode_envelope, encode
-from phalanx.protocol.auth import SECRET_ENV, rank_authenticator
+from phalanx.protocol.auth import SECRET_ENV, rank_authenticator, rank_curve_options
 from phalanx.protocol.buckets import MAX_GRAPH_BATCH, bucket_for
 from phalanx.protocol.launch import WorkerConfig
 from phalanx.protocol.messages import (
@@ -36,7 +36,7 @@ from phalanx.protocol.messages import (
     Ready,
     ReplyEnvelope,
 )
-from phalanx.protocol.transport import RankSocket, connection_identity
+from phalanx.protocol.transport import HANDSHAKE_FAILED, RankSocket, connection_identity, heartbeat_identity
 from phalanx.worker.buckets import state_slot_layout
 from phalanx.worker.capacity import GIB, CapacityError, memory_line, size_capacity
 from phalanx.worker.commands import StepRunner
@@ -84,6 +84,10 @@ def _dtype(config: WorkerConfig) -> torch.dtype:
     return torch.bfloat16 if config.device == "cuda" else torch.float32
 
 
+# How often a rank waiting for the coordinator looks whether its handshake was refused.
+HANDSHAKE_CHECK_S = 0.2
+
+
 class SecretMismatch(RuntimeError):
     """The coordinator's frames fail this rank's authentication: the keys differ."""
 
@@ -92,14 +96,20 @@ def _wait_for(
     sock: RankSocket, config: WorkerConfig, epoch: int | None, kinds: tuple[type, ...], what: str
 ) -> tuple[int, Any]:
     """Block until a command of ``kinds`` (or Cancel) arrives within the gate timeout; returns
-    (its epoch, its body). Frames from the coordinator with a wrong tag mean the two sides hold
-    different keys, which no wait mends: that raises SecretMismatch at once."""
+    (its epoch, its body). Frames from the coordinator with a wrong tag, or a coordinator that
+    refuses our encrypted handshake, mean the two sides hold different keys, which no wait
+    mends: that raises SecretMismatch at once."""
     deadline = time.monotonic() + config.gate_timeout
     while (remaining := deadline - time.monotonic()) > 0:
+        if sock.handshake_failed():
+            raise SecretMismatch(
+                f"the coordinator refused this rank's encrypted (CURVE) handshake: {SECRET_ENV} "
+                "differs between the coordinator and this rank"
+            )
         try:
-            frame = sock.recv(remaining)
+            frame = sock.recv(min(remaining, HANDSHAKE_CHECK_S))
             if frame is None:
-                break
+                continue
             envelope = decode_envelope(frame, epoch=epoch or None)
         except ProtocolError as exc:
             if exc.cause == "bad_tag":
@@ -238,9 +248,15 @@ def run_worker(config: WorkerConfig) -> int:
     # tqdm's default lock is a multiprocessing semaphore, which a rank leaving through os._exit
     # leaks (the parent's resource tracker then warns); a rank's bars need only a thread lock.
     tqdm.set_lock(threading.RLock())
-    framer = rank_authenticator(bytes.fromhex(config.auth_key), config.rank) if config.auth_key else None
+    identity = connection_identity(f"rank-{config.rank}")
+    key = bytes.fromhex(config.auth_key) if config.auth_key else None
+    framer = rank_authenticator(key, config.rank) if key else None  # the heartbeats' too
+    # TCP (a key): frames signed, the connection encrypted, and a refused handshake watched for
     sock = wrap_socket(
-        RankSocket(config.coordinator, connection_identity(f"rank-{config.rank}"), framer), config.rank
+        RankSocket(config.coordinator, identity, framer, rank_curve_options(key), HANDSHAKE_FAILED)
+        if key
+        else RankSocket(config.coordinator, identity),
+        config.rank,
     )
     heartbeat: HeartbeatThread | None = None
     try:
@@ -257,6 +273,8 @@ def run_worker(config: WorkerConfig) -> int:
         if config.heartbeat_interval > 0:
             heartbeat = HeartbeatThread(
                 config.coordinator,
+                heartbeat_identity(identity),
+                rank_curve_options(key) if key else {},
                 config.rank,
                 epoch,
                 config.heartbeat_interval,
