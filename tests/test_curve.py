@@ -16,7 +16,7 @@ import zmq
 from phalanx.executor.launcher import launch_executor
 from phalanx.protocol import PROTOCOL_VERSION, encode
 from phalanx.protocol.auth import key_from_secret, rank_authenticator
-from phalanx.protocol.messages import Ack, ReplyEnvelope
+from phalanx.protocol.messages import Ack, Ping, Prefill, ReplyEnvelope
 from phalanx.protocol.packing import pack_ids
 from tests.runtime_helpers import chunk, free_port, small_config, start_attached_rank
 
@@ -90,7 +90,7 @@ def test_an_encrypted_replica_serves_and_a_peer_without_curve_gets_nothing(
     ex = None
     try:
         ex = launch_executor(small_config(tiny_model_dir, 1, transport="tcp", attach=True, port=port))
-        (first,) = ex.prefill([chunk(1, 0, PROMPT, 0, True)]).results
+        (first,) = ex.call(Prefill([chunk(1, 0, PROMPT, 0, True)])).results
         assert first.token >= 0 and ex.poison_reason is None
         assert len(tap.captured) > 1000  # the startup and the prefill went through the tap ...
         assert pack_ids(PROMPT) not in tap.captured  # ... but not the prompt in the clear
@@ -105,10 +105,10 @@ def test_an_encrypted_replica_serves_and_a_peer_without_curve_gets_nothing(
         deadline = time.monotonic() + 10
         while ex.rejected_frames == before:  # each failed handshake is counted
             assert time.monotonic() < deadline
-            ex.ping()
+            ex.call(Ping())
         assert ex._link.rejections.by_reason.keys() == {"unauthenticated"}  # no frame got in
         assert not plain.poll(500)
-        ex.ping()
+        ex.call(Ping())
         assert ex.poison_reason is None
     finally:
         plain.close()

@@ -19,7 +19,7 @@ from phalanx.executor.launcher import launch_executor
 from phalanx.executor.runtime import Executor
 from phalanx.protocol import PROTOCOL_VERSION, ProtocolError, decode_envelope, encode
 from phalanx.protocol.auth import key_from_secret, rank_authenticator, rank_curve_options
-from phalanx.protocol.messages import Capacity, Decode, Heartbeat, Hello, Prefill, Ready, ReplyEnvelope
+from phalanx.protocol.messages import Capacity, Decode, Heartbeat, Hello, Ping, Prefill, Ready, ReplyEnvelope
 from tests.runtime_helpers import chunk, free_port, row, small_config, start_attached_rank
 
 SECRET = "peer-identity-test-shared-secret"
@@ -177,12 +177,12 @@ def test_forged_heartbeats_do_not_keep_a_stopped_rank_alive(
         forging = threading.Thread(target=_forge_heartbeats, args=(address, 1, ex.epoch, stop_forging))
         forging.start()
         time.sleep(3.0)  # longer than the heartbeat timeout: only genuine heartbeats carry it
-        ex.ping()
+        ex.call(Ping())
         ranks[1].send_signal(signal.SIGSTOP)
         stopped_at = time.monotonic()
         with pytest.raises(ExecutorPoisoned, match="rank 1 sent no heartbeat"):
             while True:  # an idle executor notices at its next call
-                ex.ping()
+                ex.call(Ping())
                 time.sleep(0.1)
         assert time.monotonic() - stopped_at < 5.0
         assert ex.rejected_frames > 0
