@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 from phalanx.server.detokenizer import IncrementalDetokenizer, TextTokenizer
 from phalanx.server.generation import Chunk, Done, Generation, PromptScores, PromptToken, TokenInfo
 from phalanx.server.reasoning import ReasoningSplitter
-from phalanx.server.tool_calls import ToolCallSplitter
+from phalanx.server.tool_calls import ToolCallParser, whole_calls
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -196,9 +196,11 @@ class ChatFormat(_Response):
     def _finish(self, reason: str, calls: int) -> str:
         return "tool_calls" if calls and reason == "stop" else reason
 
-    def _tool_calls(self, calls: list[dict[str, Any]], already: int = 0) -> list[dict[str, Any]]:
-        """The calls to return (only the first of the reply without ``parallel_tool_calls``)."""
-        return calls if self.parallel_tool_calls else calls[: max(0, 1 - already)]
+    def _tool_parser(self) -> ToolCallParser | None:
+        """Without ``parallel_tool_calls`` only a reply's first call is returned."""
+        if not self.parses_tool_calls:
+            return None
+        return ToolCallParser(max_calls=None if self.parallel_tool_calls else 1)
 
     def choice(self, index: int, prompt_ids: list[int], result: Collected) -> dict[str, Any]:
         splitter = ReasoningSplitter(self.starts_in_reasoning)
@@ -206,11 +208,10 @@ class ChatFormat(_Response):
         more_reasoning, more_content = splitter.flush()
         content += more_content
         calls: list[dict[str, Any]] = []
-        if self.parses_tool_calls:
-            tools = ToolCallSplitter()
-            content, found = tools.push(content)
-            content += tools.flush()
-            calls = self._tool_calls(found)
+        tools = self._tool_parser()
+        if tools is not None:
+            content, deltas = tools.push(content, end=True)
+            calls = whole_calls(deltas)
         message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
         if calls:
             message["tool_calls"] = calls
@@ -239,20 +240,15 @@ class ChatFormat(_Response):
             return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
         splitter = ReasoningSplitter(self.starts_in_reasoning)
-        tools = ToolCallSplitter() if self.parses_tool_calls else None
-        sent = 0  # tool calls streamed so far
+        tools = self._tool_parser()
 
         def delta(reasoning: str, content: str, end: bool = False) -> dict[str, Any]:
-            nonlocal sent
             if tools is None:
                 return self._delta(reasoning, content)
-            content, found = tools.push(content)
-            content += tools.flush() if end else ""
+            content, calls = tools.push(content, end)
             out: dict[str, Any] = self._delta(reasoning, content)
-            calls = self._tool_calls(found, sent)
             if calls:
-                out["tool_calls"] = [{"index": sent + i, **call} for i, call in enumerate(calls)]
-                sent += len(calls)
+                out["tool_calls"] = calls
             return out
 
         yield chunk({"role": "assistant", "content": ""})
@@ -262,5 +258,6 @@ class ChatFormat(_Response):
                 if piece or (item.tokens and self.want_logprobs):
                     yield chunk(piece, self._logprobs(item.tokens))
             elif isinstance(item, Done):
-                yield chunk(delta(*splitter.flush(), end=True), finish=self._finish(item.finish_reason, sent))
+                last = delta(*splitter.flush(), end=True)  # first: it may announce a last call
+                yield chunk(last, finish=self._finish(item.finish_reason, tools.calls if tools else 0))
                 yield item
