@@ -114,7 +114,10 @@ class CompletionFormat(_Response):
         }
 
     def _echoed(self, prompt_ids: list[int], scored: list[PromptToken]) -> tuple[str, dict[str, Any] | None]:
-        """The prompt's text and, with logprobs, its tokens' entries (the first token has none)."""
+        """What precedes the generated text: with ``echo`` the prompt's text and, with logprobs,
+        its tokens' entries (the first token has none); else nothing."""
+        if not self.echo:
+            return "", None
         detokenizer = IncrementalDetokenizer(self.tokenizer)
         pieces = [detokenizer.push(token_id) for token_id in prompt_ids]
         pieces[-1] += detokenizer.flush()
@@ -133,32 +136,49 @@ class CompletionFormat(_Response):
             "text_offset": offsets,
         }
 
-    def choice(self, index: int, prompt_ids: list[int], result: Collected) -> dict[str, Any]:
-        prompt_text, prompt_logprobs = self._echoed(prompt_ids, result.prompt) if self.echo else ("", None)
-        logprobs = self._logprobs(result.tokens, shift=len(prompt_text))
+    def _opening(
+        self, index: int, prompt_ids: list[int], scored: list[PromptToken], text: str, tokens: list[TokenInfo]
+    ) -> dict[str, Any]:
+        """A choice whose text starts with the echoed prompt (if asked), then ``text``; with its
+        logprobs and vLLM's prompt_logprobs (if asked)."""
+        prompt_text, prompt_logprobs = self._echoed(prompt_ids, scored)
+        logprobs = self._logprobs(tokens, shift=len(prompt_text))
         if prompt_logprobs is not None and logprobs is not None:
             logprobs = {key: prompt_logprobs[key] + logprobs[key] for key in logprobs}
-        choice: dict[str, Any] = {
-            "index": index,
-            "text": prompt_text + result.text,
-            "logprobs": logprobs,
-            "finish_reason": result.done.finish_reason,
-        }
+        choice: dict[str, Any] = {"index": index, "text": prompt_text + text, "logprobs": logprobs}
         if self.want_prompt_logprobs:
-            choice["prompt_logprobs"] = vllm_prompt_logprobs(self.tokenizer, prompt_ids, result.prompt)
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(self.tokenizer, prompt_ids, scored)
         return choice
 
-    async def stream_choice(self, index: int, generation: Generation) -> AsyncIterator[dict[str, Any] | Done]:
-        """The choice's chunks (``index`` in each), then its Done."""
+    def choice(self, index: int, prompt_ids: list[int], result: Collected) -> dict[str, Any]:
+        choice = self._opening(index, prompt_ids, result.prompt, result.text, result.tokens)
+        return {**choice, "finish_reason": result.done.finish_reason}
+
+    async def stream_choice(
+        self, index: int, prompt_ids: list[int], generation: Generation
+    ) -> AsyncIterator[dict[str, Any] | Done]:
+        """The choice's chunks (``index`` in each), then its Done. As vLLM: the echoed prompt and
+        its logprobs come in the first chunk, with the first generated text (and here the prompt
+        logprobs too, which vLLM refuses to stream)."""
+        scored: list[PromptToken] = []
+        opened = not (self.echo or self.want_prompt_logprobs)
+        shift = 0  # characters of echoed prompt before the generated text
         async for item in generation:
+            if isinstance(item, PromptScores):
+                scored += item.tokens
+                continue
+            if not opened:  # the prompt goes out with the first text, or alone before the end
+                opened = True
+                first = item if isinstance(item, Chunk) else Chunk("")
+                opening = self._opening(index, prompt_ids, scored, first.text, first.tokens)
+                shift = len(opening["text"]) - len(first.text)
+                yield {**opening, "finish_reason": None}
+                if isinstance(item, Chunk):
+                    continue
             if isinstance(item, Chunk):
                 if item.text or item.tokens:
-                    yield {
-                        "index": index,
-                        "text": item.text,
-                        "logprobs": self._logprobs(item.tokens),
-                        "finish_reason": None,
-                    }
+                    logprobs = self._logprobs(item.tokens, shift)
+                    yield {"index": index, "text": item.text, "logprobs": logprobs, "finish_reason": None}
             elif isinstance(item, Done):
                 yield {"index": index, "text": "", "logprobs": None, "finish_reason": item.finish_reason}
                 yield item
@@ -233,7 +253,9 @@ class ChatFormat(_Response):
             delta["content"] = content
         return delta
 
-    async def stream_choice(self, index: int, generation: Generation) -> AsyncIterator[dict[str, Any] | Done]:
+    async def stream_choice(
+        self, index: int, prompt_ids: list[int], generation: Generation
+    ) -> AsyncIterator[dict[str, Any] | Done]:
         """The choice's chunks (``index`` in each), then its Done."""
 
         def chunk(delta: dict[str, Any], logprobs: Any = None, finish: str | None = None) -> dict[str, Any]:

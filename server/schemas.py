@@ -80,8 +80,6 @@ class SamplingRequest(BaseModel):
         for name, value in neutral.items():
             if getattr(self, name) != value:
                 raise ValueError(f"{name} is not supported (only {value})")
-        if self.stream and self.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported with stream")
         constraints = [name for name in STRUCTURED_FIELDS if getattr(self, name) is not None]
         if len(constraints) > 1:
             raise ValueError(f"{constraints[1]} cannot be combined with {constraints[0]}")
@@ -139,12 +137,6 @@ class CompletionRequest(SamplingRequest):
                 raise ValueError("the prompt is empty" if not batched else f"prompt {index} is empty")
         return prompts
 
-    @model_validator(mode="after")
-    def _echo_whole(self) -> CompletionRequest:
-        if self.stream and self.echo:
-            raise ValueError("echo is not supported with stream")
-        return self
-
     @property
     def prompts(self) -> list[str] | list[list[int]]:
         return self.prompt  # type: ignore[return-value]  # the validator made it a list
@@ -188,7 +180,9 @@ class ChatCompletionRequest(SamplingRequest):
     parallel_tool_calls: Flag = True  # False: at most the first call is returned
 
     @model_validator(mode="after")
-    def _tool_choice(self) -> ChatCompletionRequest:
+    def _chat_options(self) -> ChatCompletionRequest:
+        if self.stream and self.prompt_logprobs is not None:  # answered beside the choices, whole
+            raise ValueError("prompt_logprobs is not supported with stream in chat completions")
         if self.tool_choice not in (None, "none", "auto") and not self.tools:
             raise ValueError("tool_choice needs tools")
         constraints = [name for name in STRUCTURED_FIELDS if getattr(self, name) is not None]

@@ -258,7 +258,7 @@ def test_chat_format_separates_reasoning_streamed_and_whole(tiny_model_dir: Path
 
     async def stream() -> list[dict]:
         fmt = ChatFormat(tokenizer, "tiny", want_logprobs=False, starts_in_reasoning=True)
-        return [chunk async for chunk in fmt.stream_choice(0, generation())]  # type: ignore[arg-type]
+        return [chunk async for chunk in fmt.stream_choice(0, [1], generation())]  # type: ignore[arg-type]
 
     chunks = asyncio.run(stream())
     deltas = [c["delta"] for c in chunks[:-1]]

@@ -53,7 +53,7 @@ def _stream(fmt: ChatFormat, text: str, step: int) -> list[ChatCompletionChunk]:
     pieces = [text[i : i + step] for i in range(0, len(text), step)]
 
     async def run() -> list[dict[str, Any]]:
-        return [c async for c in fmt.stream_choice(0, _replay(pieces)) if not isinstance(c, Done)]  # type: ignore[arg-type]
+        return [c async for c in fmt.stream_choice(0, [1], _replay(pieces)) if not isinstance(c, Done)]  # type: ignore[arg-type]
 
     return [
         ChatCompletionChunk.model_validate(fmt.envelope(fmt.chunk_object, [choice]))
