@@ -2,7 +2,8 @@
 on the tiny model: ``echo`` and ``prompt_logprobs`` stream on /v1/completions as vLLM streams echo
 (the prompt in each choice's first chunk), and a tool call streams as OpenAI streams it (the name,
 then the arguments in pieces); each streamed reply, joined, equals the same request unstreamed,
-read through the ``openai`` client's stream types and langchain-openai's ``.stream``."""
+read through the ``openai`` client's stream types and langchain-openai's ``.stream`` (and its
+completions ``OpenAI.batch``, which sends its prompts in one request)."""
 
 from __future__ import annotations
 
@@ -169,3 +170,20 @@ def test_langchain_streams_tool_call_chunks(base_url: str, client: openai.OpenAI
         "name"
     ] == "get_weather"
     assert call["args"]["city"] in ("Paris", "London")
+
+
+def test_langchain_completions_batch_and_stream(base_url: str) -> None:
+    from langchain_openai import OpenAI
+
+    llm = OpenAI(
+        model=MODEL_NAME,
+        base_url=base_url + "/v1",
+        api_key="unused",
+        max_tokens=4,
+        temperature=0.0,
+        max_retries=0,
+    )
+    prompts = ["Once upon a time", "The quick brown fox", "Hello"]
+    together = llm.batch(prompts)  # one request holding the three prompts
+    assert together == [llm.invoke(prompt) for prompt in prompts]
+    assert "".join(llm.stream(prompts[0])) == together[0]

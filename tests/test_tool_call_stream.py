@@ -19,6 +19,7 @@ from phalanx.server.detokenizer import TextTokenizer
 from phalanx.server.generation import Chunk, Done
 from phalanx.server.json_stream import JsonObjectStream, JsonSyntaxError
 from phalanx.server.openai_format import ChatFormat, Collected
+from phalanx.server.schemas import ChatCompletionRequest
 from phalanx.server.tool_calls import ToolCallParser
 
 WEATHER = (
@@ -218,3 +219,19 @@ def test_a_lone_surrogate_stays_an_escape_so_the_reply_encodes() -> None:
     pieces = "".join(piece for char in text for _, _, piece in stream.feed(char))
     assert pieces == '{"s": "\\ud83d!"}'
     pieces.encode("utf-8")
+
+
+def test_tool_choice_none_leaves_blocks_in_the_text(tokenizer: TextTokenizer) -> None:
+    tool = {"type": "function", "function": {"name": "get_time"}}
+    body = ChatCompletionRequest(
+        messages=[{"role": "user", "content": "hi"}], tools=[tool], tool_choice="none"
+    )
+    assert not body.parses_tool_calls
+    fmt = ChatFormat(tokenizer, "tiny", want_logprobs=False, parses_tool_calls=body.parses_tool_calls)
+    assert _whole(fmt, TWO_CALLS)["message"] == {"role": "assistant", "content": TWO_CALLS}
+    streamed = _accumulated(_stream(fmt, TWO_CALLS, 3))
+    assert (streamed.message.content, streamed.message.tool_calls, streamed.finish_reason) == (
+        TWO_CALLS,
+        None,
+        "stop",
+    )
