@@ -8,6 +8,7 @@ stays an escape, which keeps the text encodable as UTF-8.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from typing import Literal
@@ -35,6 +36,7 @@ class JsonSyntaxError(ValueError):
         self.pieces = pieces or []
 
 
+@functools.lru_cache(maxsize=4096)
 def _encode(char: str) -> str:
     if "\ud800" <= char <= "\udfff":
         return f"\\u{ord(char):04x}"

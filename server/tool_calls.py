@@ -30,11 +30,12 @@ class _Block:
 
     raw: list[str] = field(default_factory=lambda: [TOOL_CALL_OPEN])  # as written, tags included
     name: str | None = None
-    arguments: str | None = None  # re-written JSON of the first "arguments" value, so far
+    arguments: list[str] | None = None  # pieces of the first "arguments" value, re-written
     broken: bool = False
     _json: JsonObjectStream = field(default_factory=JsonObjectStream)
+    _key_pieces: list[str] = field(default_factory=list)  # a top-level key being read, re-written
     _key: str = ""  # the current top-level key, re-written
-    _value: str = ""  # the current top-level value, re-written, while it may be the name
+    _value: list[str] = field(default_factory=list)  # the current top-level value, if the name
     _in_arguments: bool = False
     _closing: int = 0  # characters of the closing tag matched after the object
     _tail: str = ""  # once broken: the last characters, to find the closing tag
@@ -87,25 +88,28 @@ class _Block:
             if piece == "}":
                 self._end_value()
         elif depth == 1 and kind == "key":
-            self._key += piece
+            self._key_pieces.append(piece)
         elif depth == 1 and kind == "punct":
             if piece == ", ":
                 self._end_value()
+            else:  # ": " ends the key
+                self._key, self._key_pieces = "".join(self._key_pieces), []
         elif self._key == _NAME_KEY:
-            self._value += piece
+            self._value.append(piece)
             if depth == 1 and piece == '"' and len(self._value) > 1:  # the name's closing quote
                 self._take_name()
-        elif self._key == _ARGUMENTS_KEY and (self._in_arguments or self.arguments is None):
+        elif self._in_arguments or (self.arguments is None and self._key == _ARGUMENTS_KEY):
             self._in_arguments = True
-            self.arguments = (self.arguments or "") + piece
+            self.arguments = self.arguments or []
+            self.arguments.append(piece)
 
     def _take_name(self) -> None:
-        name = json.loads(self._value)
+        name = json.loads("".join(self._value))
         if self.name is None and isinstance(name, str) and _encodable(name):
             self.name = name
 
     def _end_value(self) -> None:
-        self._key, self._value, self._in_arguments = "", "", False
+        self._key, self._value, self._in_arguments = "", [], False
 
 
 def _encodable(text: str) -> bool:
@@ -125,7 +129,7 @@ class ToolCallParser:
         self._block: _Block | None = None
         self._max_calls = max_calls  # later calls are read and dropped (parallel_tool_calls false)
         self._index: int | None = None  # the current block's call, once announced
-        self._sent = 0  # characters of its arguments sent
+        self._sent = 0  # pieces of its arguments sent
         self.calls = 0  # calls announced
 
     def push(self, text: str, end: bool = False) -> tuple[str, list[dict[str, Any]]]:
@@ -177,11 +181,11 @@ class ToolCallParser:
                 "type": "function",
                 "function": {"name": block.name, "arguments": ""},
             }
-        arguments = block.arguments or ""
-        if len(arguments) > self._sent:
+        pieces = block.arguments or []
+        if len(pieces) > self._sent:
             delta = deltas.setdefault(self._index, {"index": self._index, "function": {"arguments": ""}})
-            delta["function"]["arguments"] += arguments[self._sent :]
-            self._sent = len(arguments)
+            delta["function"]["arguments"] += "".join(pieces[self._sent :])
+            self._sent = len(pieces)
 
     def _end_block(self, content: list[str], deltas: dict[int, dict[str, Any]]) -> None:
         block, self._block = self._block, None
@@ -191,7 +195,7 @@ class ToolCallParser:
         self._announce(block, deltas)
         if self._index is not None:
             if block.complete and block.arguments is None:  # a call without arguments takes none
-                block.arguments = "{}"
+                block.arguments = ["{}"]
                 self._announce(block, deltas)
         elif block.name is None:
             content.append("".join(block.raw))
