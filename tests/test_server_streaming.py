@@ -18,24 +18,26 @@ from live_server import MODEL_NAME, live_server
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
 PROMPT = list(range(10, 50))  # 40 tokens: three prefill chunks, scored in three spans
-WEATHER = {
+# enums only: the random model's arguments stay short under the grammar
+ALARM = {
     "type": "function",
     "function": {
-        "name": "get_weather",
-        "description": "The weather in a city",
+        "name": "set_alarm",
         "parameters": {
             "type": "object",
             "properties": {
-                "city": {"type": "string", "enum": ["Paris", "London"]},
-                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+                "hour": {"type": "string", "enum": ["06:30", "07:00"]},
+                "days": {"type": "array", "items": {"enum": ["mon", "tue"]}, "maxItems": 2},
             },
-            "required": ["city", "unit"],
+            "required": ["hour", "days"],
             "additionalProperties": False,
         },
     },
 }
-NAMED = {"type": "function", "function": {"name": "get_weather"}}
-ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+NAMED = {"type": "function", "function": {"name": "set_alarm"}}
+ASK_TEXT = "Wake me up tomorrow."
+ASK = [{"role": "user", "content": ASK_TEXT}]
+LANGCHAIN = {"model": MODEL_NAME, "api_key": "unused", "temperature": 0.0, "max_retries": 0}
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +122,7 @@ def _tool_request() -> dict[str, Any]:
         "messages": ASK,
         "max_tokens": 150,
         "temperature": 0.0,
-        "tools": [WEATHER],
+        "tools": [ALARM],
         "tool_choice": NAMED,
     }
 
@@ -130,7 +132,7 @@ def test_a_tool_call_streams_its_arguments_in_pieces(client: openai.OpenAI) -> N
     chunks = list(client.chat.completions.create(**_tool_request(), stream=True))
     deltas = [call for chunk in chunks for choice in chunk.choices for call in choice.delta.tool_calls or []]
     announce, *pieces = deltas
-    assert (announce.index, announce.type, announce.function.name) == (0, "function", "get_weather")
+    assert (announce.index, announce.type, announce.function.name) == (0, "function", "set_alarm")
     assert announce.id.startswith("call_") and len(pieces) > 3
     assert all(piece.id is None and piece.function.name is None for piece in pieces)
     state = ChatCompletionStreamState()
@@ -144,45 +146,29 @@ def test_a_tool_call_streams_its_arguments_in_pieces(client: openai.OpenAI) -> N
         expected.function.name,
         expected.function.arguments,
     )
-    assert call.function.arguments.startswith('{"city": ')
+    assert call.function.arguments.startswith('{"hour": "0')
 
 
 def test_langchain_streams_tool_call_chunks(base_url: str, client: openai.OpenAI) -> None:
     from langchain_openai import ChatOpenAI
 
-    llm = ChatOpenAI(
-        model=MODEL_NAME,
-        base_url=base_url + "/v1",
-        api_key="unused",
-        max_tokens=150,
-        temperature=0.0,
-        max_retries=0,
-    )
-    bound = llm.bind_tools([WEATHER], tool_choice="get_weather")
-    chunks = list(bound.stream("What is the weather in Paris?"))
+    llm = ChatOpenAI(base_url=base_url + "/v1", max_tokens=150, **LANGCHAIN)
+    bound = llm.bind_tools([ALARM], tool_choice="set_alarm")
+    chunks = list(bound.stream(ASK_TEXT))
     assert sum(bool(chunk.tool_call_chunks) for chunk in chunks) > 3
     merged = chunks[0]
     for chunk in chunks[1:]:
         merged += chunk
     (call,) = merged.tool_calls
-    (expected,) = bound.invoke("What is the weather in Paris?").tool_calls
-    assert (call["name"], call["args"]) == (expected["name"], expected["args"]) and call[
-        "name"
-    ] == "get_weather"
-    assert call["args"]["city"] in ("Paris", "London")
+    (expected,) = bound.invoke(ASK_TEXT).tool_calls
+    assert (call["name"], call["args"]) == (expected["name"], expected["args"])
+    assert call["name"] == "set_alarm" and call["args"]["hour"] in ("06:30", "07:00")
 
 
 def test_langchain_completions_batch_and_stream(base_url: str) -> None:
     from langchain_openai import OpenAI
 
-    llm = OpenAI(
-        model=MODEL_NAME,
-        base_url=base_url + "/v1",
-        api_key="unused",
-        max_tokens=4,
-        temperature=0.0,
-        max_retries=0,
-    )
+    llm = OpenAI(base_url=base_url + "/v1", max_tokens=4, **LANGCHAIN)
     prompts = ["Once upon a time", "The quick brown fox", "Hello"]
     together = llm.batch(prompts)  # one request holding the three prompts
     assert together == [llm.invoke(prompt) for prompt in prompts]
