@@ -7,6 +7,7 @@ it could change the output (a sampling extra, a response format) without the cli
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -159,6 +160,23 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+
+    @model_validator(mode="after")
+    def _tool_call_arguments(self) -> ChatMessage:
+        """An assistant's past calls carry their arguments as JSON text (OpenAI's shape); chat
+        templates take them as an object (transformers' convention, which vLLM follows too)."""
+        calls = (self.model_extra or {}).get("tool_calls")
+        if self.role != "assistant" or not isinstance(calls, list):
+            return self
+        for index, call in enumerate(calls):
+            function = call.get("function") if isinstance(call, dict) else None
+            arguments = function.get("arguments") if isinstance(function, dict) else None
+            if isinstance(function, dict) and isinstance(arguments, str):
+                try:
+                    function["arguments"] = json.loads(arguments) if arguments.strip() else {}
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"tool_calls.{index}.function.arguments is not JSON: {e}") from e
+        return self
 
     def for_template(self) -> dict[str, Any]:
         message = self.model_dump(exclude_none=True)

@@ -1,7 +1,8 @@
 """Tool calls streamed as they are written, without a running server: a reply cut into deltas of
 any size goes through ``ChatFormat``'s stream (each chunk checked against the ``openai`` client's
 types and accumulated by its own stream state) and gives the same content and calls as the whole
-reply; the call's name comes first, then its arguments in pieces; malformed blocks stay content."""
+reply; the call's name comes first, then its arguments in pieces; malformed blocks stay content.
+An assistant's past calls reach the chat template with their arguments as an object."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from typing import Any
 import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletionChunk
+from pydantic import ValidationError
 
+from phalanx.server.chat_template import ChatTemplate
 from phalanx.server.detokenizer import TextTokenizer
 from phalanx.server.generation import Chunk, Done
 from phalanx.server.json_stream import JsonObjectStream, JsonSyntaxError
@@ -235,3 +238,33 @@ def test_tool_choice_none_leaves_blocks_in_the_text(tokenizer: TextTokenizer) ->
         None,
         "stop",
     )
+
+
+# renders a past call as Qwen3.5's template does: one line per argument, which needs an object
+PAST_CALLS = (
+    "{%- for m in messages %}{%- for call in m.tool_calls or [] %}"
+    "{{ call.function.name }}({%- for k, v in call.function.arguments | items %}{{ k }}={{ v }};{%- endfor %})"
+    "{%- endfor %}{%- endfor %}"
+)
+
+
+def test_an_assistants_past_call_reaches_the_template_with_object_arguments() -> None:
+    def turn(arguments: str) -> list[dict[str, Any]]:
+        call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+        return [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "done"},
+        ]
+
+    body = ChatCompletionRequest(messages=turn('{"city": "Paris", "days": 2}'))
+    rendered = ChatTemplate(PAST_CALLS).render([m.for_template() for m in body.messages])
+    assert rendered == "f(city=Paris;days=2;)"
+    assert ChatCompletionRequest(messages=turn("")).messages[1].for_template()["tool_calls"][0][
+        "function"
+    ] == {
+        "name": "f",
+        "arguments": {},
+    }
+    with pytest.raises(ValidationError, match="tool_calls.0.function.arguments is not JSON"):
+        ChatCompletionRequest(messages=turn("{oops"))
