@@ -189,6 +189,7 @@ class ChatFormat(_Response):
     starts_in_reasoning: bool = False
     parses_tool_calls: bool = False  # the request offered tools: the reply's <tool_call> blocks are calls
     parallel_tool_calls: bool = True
+    tools: list[dict[str, Any]] | None = None  # the offered tools: their parameters' types
     object_: ClassVar[str] = "chat.completion"
     chunk_object: ClassVar[str] = "chat.completion.chunk"
 
@@ -220,7 +221,7 @@ class ChatFormat(_Response):
         """Without ``parallel_tool_calls`` only a reply's first call is returned."""
         if not self.parses_tool_calls:
             return None
-        return ToolCallParser(max_calls=None if self.parallel_tool_calls else 1)
+        return ToolCallParser(max_calls=None if self.parallel_tool_calls else 1, tools=self.tools)
 
     def choice(self, index: int, prompt_ids: list[int], result: Collected) -> dict[str, Any]:
         splitter = ReasoningSplitter(self.starts_in_reasoning)

@@ -1,13 +1,15 @@
-"""Tool calls in a reply, as Qwen writes them: ``<tool_call>`` blocks, each holding one JSON object
+"""Tool calls in a reply, as Qwen writes them: ``<tool_call>`` blocks, each holding one call, either
+Qwen3.5's ``<function=NAME>`` form (``server.tool_call_xml``) or Qwen3's JSON object
 ``{"name": ..., "arguments": {...}}``, turned into OpenAI's ``tool_calls`` as the text arrives.
 
-A block's call is announced (``id``, ``type``, ``function.name``) once its JSON has given the name,
-and its ``arguments`` then follow in pieces as the JSON arrives, re-written as ``json.dumps`` writes
-the parsed value (``server.json_stream``), so the pieces join into the arguments a whole reply gets.
-A block that breaks before its name is known (not JSON, no string ``name``, the reply ends) stays
-in the text as written, as vLLM's parser leaves it. A call already announced cannot be taken back:
-if its JSON breaks later, the call keeps the arguments sent so far and the rest of the block is
-dropped. Whole replies go through the same parser, so they get the same calls as streamed ones.
+A block's call is announced (``id``, ``type``, ``function.name``) once the block has given the
+name, and its ``arguments`` then follow in pieces as they arrive, re-written as ``json.dumps``
+writes the parsed object (``server.json_stream``), so the pieces join into the arguments a whole
+reply gets. A block that breaks before its name is known (neither form, no string ``name``, the
+reply ends) stays in the text as written, as vLLM's parser leaves it. A call already announced
+cannot be taken back: if its block breaks later, the call keeps the arguments sent so far and the
+rest of the block is dropped. Whole replies go through the same parser, so they get the same calls
+as streamed ones.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 
 from phalanx.server.json_stream import WHITESPACE, JsonObjectStream, JsonSyntaxError
 from phalanx.server.structured import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from phalanx.server.tool_call_xml import XmlCall, XmlCallSyntaxError, parameter_types
 
 _NAME_KEY = json.dumps("name")
 _ARGUMENTS_KEY = json.dumps("arguments")
@@ -26,8 +29,10 @@ _ARGUMENTS_KEY = json.dumps("arguments")
 
 @dataclass
 class _Block:
-    """One ``<tool_call>`` block as it arrives."""
+    """One ``<tool_call>`` block as it arrives: a JSON object (Qwen3) or, when it starts with
+    ``<``, Qwen3.5's ``<function=...>`` form (``server.tool_call_xml``)."""
 
+    types: dict[str, dict[str, Any]]  # the offered tools' parameter types, for the XML form
     raw: list[str] = field(default_factory=lambda: [TOOL_CALL_OPEN])  # as written, tags included
     name: str | None = None
     arguments: list[str] | None = None  # pieces of the first "arguments" value, re-written
@@ -39,11 +44,13 @@ class _Block:
     _in_arguments: bool = False
     _closing: int = 0  # characters of the closing tag matched after the object
     _tail: str = ""  # once broken: the last characters, to find the closing tag
+    _started: bool = False  # a character other than whitespace came
+    _xml: XmlCall | None = None
 
     @property
     def complete(self) -> bool:
-        """The object closed (whatever followed it inside the block)."""
-        return self._json.done
+        """The call closed (whatever followed it inside the block)."""
+        return self._xml.done if self._xml is not None else self._json.done
 
     def feed(self, text: str) -> int | None:
         """Reads ``text``; if the block ends in it, how many of its characters the block took."""
@@ -53,7 +60,7 @@ class _Block:
                 self._tail = (self._tail + char)[-len(TOOL_CALL_CLOSE) :]
                 if self._tail == TOOL_CALL_CLOSE:
                     return i + 1
-            elif self._json.done:
+            elif self.complete:
                 if self._closing == 0 and char in WHITESPACE:
                     continue
                 if TOOL_CALL_CLOSE[self._closing] != char:
@@ -62,7 +69,10 @@ class _Block:
                 self._closing += 1
                 if self._closing == len(TOOL_CALL_CLOSE):
                     return i + 1
+            elif self._xml is not None or (char == "<" and not self._started):
+                self._feed_xml(char)
             else:
+                self._started = self._started or char not in WHITESPACE
                 try:
                     for depth, kind, piece in self._json.feed(char):
                         self._take(depth, kind, piece)
@@ -72,9 +82,20 @@ class _Block:
                     self._break(1)
         return None
 
+    def _feed_xml(self, char: str) -> None:
+        if self._xml is None:
+            self._xml, self._started = XmlCall(self.types), True
+            self.arguments = self._xml.arguments
+        try:
+            self._xml.feed(char)
+        except XmlCallSyntaxError:
+            self._break(1)
+        if self.name is None and self._xml.name is not None and _encodable(self._xml.name):
+            self.name = self._xml.name
+
     def end(self) -> None:
         """The reply ends inside the block: a number it was writing is taken as it stands."""
-        if not self.broken:
+        if not self.broken and self._xml is None:
             for piece in self._json.end():
                 self._take(*piece)
 
@@ -124,7 +145,8 @@ class ToolCallParser:
     """Splits a reply's text into content and ``delta.tool_calls`` entries as it arrives: text that
     may open a block is held back until it cannot; a block's text until its name is known."""
 
-    def __init__(self, max_calls: int | None = None) -> None:
+    def __init__(self, max_calls: int | None = None, tools: list[dict[str, Any]] | None = None) -> None:
+        self._types = parameter_types(tools)
         self._held = ""  # outside a block: a tail that may start the opening tag
         self._block: _Block | None = None
         self._max_calls = max_calls  # later calls are read and dropped (parallel_tool_calls false)
@@ -163,7 +185,7 @@ class ToolCallParser:
             return ""
         content.append(text[:start])
         self._held = ""
-        self._block = _Block()
+        self._block = _Block(self._types)
         return text[start + len(TOOL_CALL_OPEN) :]
 
     def _announce(self, block: _Block, deltas: dict[int, dict[str, Any]]) -> None:

@@ -268,3 +268,80 @@ def test_an_assistants_past_call_reaches_the_template_with_object_arguments() ->
     }
     with pytest.raises(ValidationError, match="tool_calls.0.function.arguments is not JSON"):
         ChatCompletionRequest(messages=turn("{oops"))
+
+
+# Qwen3.5 writes its calls as XML inside the block; values take their parameters' schema types
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string"},
+                "days": {"type": "integer"},
+                "where": {"type": "object"},
+            },
+        },
+    },
+}
+XML_CALLS = (
+    'Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\n7 "Paris"\n</parameter>\n'
+    '<parameter=days>\n3\n</parameter>\n<parameter=where>\n{"lat": 48.9}\n</parameter>\n'
+    "<parameter=note>\n12\n</parameter>\n</function>\n</tool_call>\n"
+    "<tool_call>\n<function=get_time>\n</function>\n</tool_call>"
+)
+
+
+@pytest.mark.parametrize("step", [1, 4, 10_000])
+def test_qwen35_xml_calls_stream_as_their_whole_reply(tokenizer: TextTokenizer, step: int) -> None:
+    fmt = ChatFormat(tokenizer, "tiny", want_logprobs=False, parses_tool_calls=True, tools=[WEATHER_TOOL])
+    whole = _whole(fmt, XML_CALLS)
+    assert whole["message"]["content"] == "Checking.\n\n" and whole["finish_reason"] == "tool_calls"
+    calls = [(c["function"]["name"], c["function"]["arguments"]) for c in whole["message"]["tool_calls"]]
+    assert calls == [
+        ("get_weather", '{"city": "7 \\"Paris\\"", "days": 3, "where": {"lat": 48.9}, "note": "12"}'),
+        ("get_time", "{}"),
+    ]
+    chunks = _stream(fmt, XML_CALLS, step)
+    streamed = _accumulated(chunks)
+    assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == calls
+    if step == 1:  # one piece a parameter as it closes, then the closing brace
+        pieces = [
+            call.function.arguments
+            for chunk in chunks
+            for call in chunk.choices[0].delta.tool_calls or []
+            if call.index == 0 and call.id is None
+        ]
+        assert pieces == [
+            '{"city": "7 \\"Paris\\""',
+            ', "days": 3',
+            ', "where": {"lat": 48.9}',
+            ', "note": "12"',
+            "}",
+        ]
+
+
+@pytest.mark.parametrize(
+    ("text", "content", "calls"),
+    [
+        ("<tool_call>\n<func=f>\n</func>\n</tool_call>", "<tool_call>\n<func=f>\n</func>\n</tool_call>", []),
+        ("<tool_call><function=>x</tool_call>", "<tool_call><function=>x</tool_call>", []),
+        # broken after the name: the call keeps the parameters that closed
+        (
+            "<tool_call><function=f><parameter=a>1</parameter><oops></tool_call> end",
+            " end",
+            [("f", '{"a": "1"')],
+        ),
+        ("<tool_call><function=f><parameter=a>1", None, [("f", "")]),
+    ],
+)
+def test_broken_xml_calls(tokenizer: TextTokenizer, text: str, content: str | None, calls: list) -> None:
+    fmt = _format(tokenizer)
+    whole = _whole(fmt, text)
+    assert whole["message"]["content"] == content
+    assert [
+        (c["function"]["name"], c["function"]["arguments"]) for c in whole["message"].get("tool_calls", [])
+    ] == calls
+    streamed = _accumulated(_stream(fmt, text, 1))
+    assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls or []] == calls
