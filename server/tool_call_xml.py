@@ -17,6 +17,7 @@ FUNCTION_OPEN = "<function="
 FUNCTION_CLOSE = "</function>"
 PARAMETER_OPEN = "<parameter="
 PARAMETER_CLOSE = "</parameter>"
+MAX_TAG = 1024  # characters of a tag; a longer one is not a name (OpenAI's names are 64 at most)
 
 
 class XmlCallSyntaxError(ValueError):
@@ -27,9 +28,14 @@ def parameter_types(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, A
     """Each offered tool's parameters' JSON schema types, by tool name and parameter."""
     types: dict[str, dict[str, Any]] = {}
     for tool in tools or []:
-        function = tool.get("function") or {}
-        properties = (function.get("parameters") or {}).get("properties") or {}
-        if isinstance(function.get("name"), str) and isinstance(properties, dict):
+        function = tool.get("function")
+        parameters = function.get("parameters") if isinstance(function, dict) else None
+        properties = parameters.get("properties") if isinstance(parameters, dict) else None
+        if (
+            isinstance(function, dict)
+            and isinstance(function.get("name"), str)
+            and isinstance(properties, dict)
+        ):
             types[function["name"]] = {
                 key: spec.get("type") for key, spec in properties.items() if isinstance(spec, dict)
             }
@@ -52,21 +58,29 @@ class XmlCall:
         self.arguments: list[str] = []  # pieces of the arguments' JSON
         self.done = False
         self._state = "function"  # function, between (parameters), value, done
-        self._text = ""  # read since the last tag ended
+        self._text = ""  # a tag being read
+        self._value: list[str] = []  # a parameter's value being read, to its closing tag
+        self._tail = ""  # the value's last characters, to find its closing tag
         self._key = ""
 
     def feed(self, char: str) -> None:
         if self.done:
             raise XmlCallSyntaxError(f"unexpected {char!r} after {FUNCTION_CLOSE}")
+        if self._state == "value":
+            self._value.append(char)
+            self._tail = (self._tail + char)[-len(PARAMETER_CLOSE) :]
+            if self._tail == PARAMETER_CLOSE:
+                self._parameter("".join(self._value)[: -len(PARAMETER_CLOSE)])
+            return
         if self._state == "between" and not self._text and char in WHITESPACE:
             return
+        if len(self._text) >= MAX_TAG:
+            raise XmlCallSyntaxError(f"a tag longer than {MAX_TAG} characters")
         self._text += char
         if self._state == "function":
             self._function(char)
-        elif self._state == "between":
+        else:
             self._between(char)
-        elif self._text.endswith(PARAMETER_CLOSE):
-            self._parameter(self._text[: -len(PARAMETER_CLOSE)])
 
     def _function(self, char: str) -> None:
         if len(self._text) <= len(FUNCTION_OPEN):
@@ -102,7 +116,7 @@ class XmlCall:
             ("{" if not self.arguments else ", ") + json.dumps(self._key, ensure_ascii=False) + ": "
         )
         self.arguments.append(_dumps(self._typed(value)))
-        self._state, self._text = "between", ""
+        self._state, self._value, self._tail = "between", [], ""
 
     def _typed(self, value: str) -> Any:
         kind = self._types.get(self.name or "", {}).get(self._key)

@@ -35,7 +35,7 @@ class _Block:
     types: dict[str, dict[str, Any]]  # the offered tools' parameter types, for the XML form
     raw: list[str] = field(default_factory=lambda: [TOOL_CALL_OPEN])  # as written, tags included
     name: str | None = None
-    arguments: list[str] | None = None  # pieces of the first "arguments" value, re-written
+    arguments: list[str] | None = None  # pieces of the arguments' JSON, re-written
     broken: bool = False
     _json: JsonObjectStream = field(default_factory=JsonObjectStream)
     _key_pieces: list[str] = field(default_factory=list)  # a top-level key being read, re-written
@@ -100,7 +100,7 @@ class _Block:
                 self._take(*piece)
 
     def _break(self, last: int) -> None:
-        """The JSON cannot go on; the closing tag is looked for from the ``last`` characters on."""
+        """The call cannot go on; the closing tag is looked for from the ``last`` characters on."""
         self.broken = True
         self._tail = "".join(self.raw[-last:])
 
