@@ -46,7 +46,7 @@ async def stream(fmt: Format, choices: list[Choice], include_usage: bool) -> Asy
 
     async def pump(choice: Choice) -> None:
         try:
-            async for item in fmt.stream_choice(choice.index, choice.generation):
+            async for item in fmt.stream_choice(choice.index, choice.prompt_ids, choice.generation):
                 await queue.put((choice, item))
         except Exception as e:  # handed to the reader, which raises it in the response's task
             await queue.put((choice, e))

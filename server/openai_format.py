@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 from phalanx.server.detokenizer import IncrementalDetokenizer, TextTokenizer
 from phalanx.server.generation import Chunk, Done, Generation, PromptScores, PromptToken, TokenInfo
 from phalanx.server.reasoning import ReasoningSplitter
-from phalanx.server.tool_calls import ToolCallSplitter
+from phalanx.server.tool_calls import ToolCallParser, whole_calls
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -114,7 +114,10 @@ class CompletionFormat(_Response):
         }
 
     def _echoed(self, prompt_ids: list[int], scored: list[PromptToken]) -> tuple[str, dict[str, Any] | None]:
-        """The prompt's text and, with logprobs, its tokens' entries (the first token has none)."""
+        """What precedes the generated text: with ``echo`` the prompt's text and, with logprobs,
+        its tokens' entries (the first token has none); else nothing."""
+        if not self.echo:
+            return "", None
         detokenizer = IncrementalDetokenizer(self.tokenizer)
         pieces = [detokenizer.push(token_id) for token_id in prompt_ids]
         pieces[-1] += detokenizer.flush()
@@ -133,32 +136,49 @@ class CompletionFormat(_Response):
             "text_offset": offsets,
         }
 
-    def choice(self, index: int, prompt_ids: list[int], result: Collected) -> dict[str, Any]:
-        prompt_text, prompt_logprobs = self._echoed(prompt_ids, result.prompt) if self.echo else ("", None)
-        logprobs = self._logprobs(result.tokens, shift=len(prompt_text))
+    def _opening(
+        self, index: int, prompt_ids: list[int], scored: list[PromptToken], text: str, tokens: list[TokenInfo]
+    ) -> dict[str, Any]:
+        """A choice whose text starts with the echoed prompt (if asked), then ``text``; with its
+        logprobs and vLLM's prompt_logprobs (if asked)."""
+        prompt_text, prompt_logprobs = self._echoed(prompt_ids, scored)
+        logprobs = self._logprobs(tokens, shift=len(prompt_text))
         if prompt_logprobs is not None and logprobs is not None:
             logprobs = {key: prompt_logprobs[key] + logprobs[key] for key in logprobs}
-        choice: dict[str, Any] = {
-            "index": index,
-            "text": prompt_text + result.text,
-            "logprobs": logprobs,
-            "finish_reason": result.done.finish_reason,
-        }
+        choice: dict[str, Any] = {"index": index, "text": prompt_text + text, "logprobs": logprobs}
         if self.want_prompt_logprobs:
-            choice["prompt_logprobs"] = vllm_prompt_logprobs(self.tokenizer, prompt_ids, result.prompt)
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(self.tokenizer, prompt_ids, scored)
         return choice
 
-    async def stream_choice(self, index: int, generation: Generation) -> AsyncIterator[dict[str, Any] | Done]:
-        """The choice's chunks (``index`` in each), then its Done."""
+    def choice(self, index: int, prompt_ids: list[int], result: Collected) -> dict[str, Any]:
+        choice = self._opening(index, prompt_ids, result.prompt, result.text, result.tokens)
+        return {**choice, "finish_reason": result.done.finish_reason}
+
+    async def stream_choice(
+        self, index: int, prompt_ids: list[int], generation: Generation
+    ) -> AsyncIterator[dict[str, Any] | Done]:
+        """The choice's chunks (``index`` in each), then its Done. As vLLM: the echoed prompt and
+        its logprobs come in the first chunk, with the first generated text (and here the prompt
+        logprobs too, which vLLM refuses to stream)."""
+        scored: list[PromptToken] = []
+        opened = not (self.echo or self.want_prompt_logprobs)
+        shift = 0  # characters of echoed prompt before the generated text
         async for item in generation:
+            if isinstance(item, PromptScores):
+                scored += item.tokens
+                continue
+            if not opened:  # the prompt goes out with the first text, or alone before the end
+                opened = True
+                first = item if isinstance(item, Chunk) else Chunk("")
+                opening = self._opening(index, prompt_ids, scored, first.text, first.tokens)
+                shift = len(opening["text"]) - len(first.text)
+                yield {**opening, "finish_reason": None}
+                if isinstance(item, Chunk):
+                    continue
             if isinstance(item, Chunk):
                 if item.text or item.tokens:
-                    yield {
-                        "index": index,
-                        "text": item.text,
-                        "logprobs": self._logprobs(item.tokens),
-                        "finish_reason": None,
-                    }
+                    logprobs = self._logprobs(item.tokens, shift)
+                    yield {"index": index, "text": item.text, "logprobs": logprobs, "finish_reason": None}
             elif isinstance(item, Done):
                 yield {"index": index, "text": "", "logprobs": None, "finish_reason": item.finish_reason}
                 yield item
@@ -169,6 +189,7 @@ class ChatFormat(_Response):
     starts_in_reasoning: bool = False
     parses_tool_calls: bool = False  # the request offered tools: the reply's <tool_call> blocks are calls
     parallel_tool_calls: bool = True
+    tools: list[dict[str, Any]] | None = None  # the offered tools: their parameters' types
     object_: ClassVar[str] = "chat.completion"
     chunk_object: ClassVar[str] = "chat.completion.chunk"
 
@@ -196,9 +217,11 @@ class ChatFormat(_Response):
     def _finish(self, reason: str, calls: int) -> str:
         return "tool_calls" if calls and reason == "stop" else reason
 
-    def _tool_calls(self, calls: list[dict[str, Any]], already: int = 0) -> list[dict[str, Any]]:
-        """The calls to return (only the first of the reply without ``parallel_tool_calls``)."""
-        return calls if self.parallel_tool_calls else calls[: max(0, 1 - already)]
+    def _tool_parser(self) -> ToolCallParser | None:
+        """Without ``parallel_tool_calls`` only a reply's first call is returned."""
+        if not self.parses_tool_calls:
+            return None
+        return ToolCallParser(max_calls=None if self.parallel_tool_calls else 1, tools=self.tools)
 
     def choice(self, index: int, prompt_ids: list[int], result: Collected) -> dict[str, Any]:
         splitter = ReasoningSplitter(self.starts_in_reasoning)
@@ -206,11 +229,10 @@ class ChatFormat(_Response):
         more_reasoning, more_content = splitter.flush()
         content += more_content
         calls: list[dict[str, Any]] = []
-        if self.parses_tool_calls:
-            tools = ToolCallSplitter()
-            content, found = tools.push(content)
-            content += tools.flush()
-            calls = self._tool_calls(found)
+        tools = self._tool_parser()
+        if tools is not None:
+            content, deltas = tools.push(content, end=True)
+            calls = whole_calls(deltas)
         message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
         if calls:
             message["tool_calls"] = calls
@@ -232,27 +254,24 @@ class ChatFormat(_Response):
             delta["content"] = content
         return delta
 
-    async def stream_choice(self, index: int, generation: Generation) -> AsyncIterator[dict[str, Any] | Done]:
+    async def stream_choice(
+        self, index: int, prompt_ids: list[int], generation: Generation
+    ) -> AsyncIterator[dict[str, Any] | Done]:
         """The choice's chunks (``index`` in each), then its Done."""
 
         def chunk(delta: dict[str, Any], logprobs: Any = None, finish: str | None = None) -> dict[str, Any]:
             return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
         splitter = ReasoningSplitter(self.starts_in_reasoning)
-        tools = ToolCallSplitter() if self.parses_tool_calls else None
-        sent = 0  # tool calls streamed so far
+        tools = self._tool_parser()
 
         def delta(reasoning: str, content: str, end: bool = False) -> dict[str, Any]:
-            nonlocal sent
             if tools is None:
                 return self._delta(reasoning, content)
-            content, found = tools.push(content)
-            content += tools.flush() if end else ""
+            content, calls = tools.push(content, end)
             out: dict[str, Any] = self._delta(reasoning, content)
-            calls = self._tool_calls(found, sent)
             if calls:
-                out["tool_calls"] = [{"index": sent + i, **call} for i, call in enumerate(calls)]
-                sent += len(calls)
+                out["tool_calls"] = calls
             return out
 
         yield chunk({"role": "assistant", "content": ""})
@@ -262,5 +281,6 @@ class ChatFormat(_Response):
                 if piece or (item.tokens and self.want_logprobs):
                     yield chunk(piece, self._logprobs(item.tokens))
             elif isinstance(item, Done):
-                yield chunk(delta(*splitter.flush(), end=True), finish=self._finish(item.finish_reason, sent))
+                last = delta(*splitter.flush(), end=True)  # first: it may announce a last call
+                yield chunk(last, finish=self._finish(item.finish_reason, tools.calls if tools else 0))
                 yield item

@@ -112,6 +112,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSO
         starts_in_reasoning=ReasoningSplitter.prompt_opens_reasoning(prompt_text),
         parses_tool_calls=body.parses_tool_calls,
         parallel_tool_calls=body.parallel_tool_calls,
+        tools=body.tools,
     )
     if body.stream:
         return _sse(stream(fmt, choices, body.include_usage))

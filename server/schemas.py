@@ -7,6 +7,7 @@ it could change the output (a sampling extra, a response format) without the cli
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -80,8 +81,6 @@ class SamplingRequest(BaseModel):
         for name, value in neutral.items():
             if getattr(self, name) != value:
                 raise ValueError(f"{name} is not supported (only {value})")
-        if self.stream and self.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported with stream")
         constraints = [name for name in STRUCTURED_FIELDS if getattr(self, name) is not None]
         if len(constraints) > 1:
             raise ValueError(f"{constraints[1]} cannot be combined with {constraints[0]}")
@@ -139,12 +138,6 @@ class CompletionRequest(SamplingRequest):
                 raise ValueError("the prompt is empty" if not batched else f"prompt {index} is empty")
         return prompts
 
-    @model_validator(mode="after")
-    def _echo_whole(self) -> CompletionRequest:
-        if self.stream and self.echo:
-            raise ValueError("echo is not supported with stream")
-        return self
-
     @property
     def prompts(self) -> list[str] | list[list[int]]:
         return self.prompt  # type: ignore[return-value]  # the validator made it a list
@@ -168,6 +161,23 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
 
+    @model_validator(mode="after")
+    def _tool_call_arguments(self) -> ChatMessage:
+        """An assistant's past calls carry their arguments as JSON text (OpenAI's shape); chat
+        templates take them as an object (transformers' convention, which vLLM follows too)."""
+        calls = (self.model_extra or {}).get("tool_calls")
+        if self.role != "assistant" or not isinstance(calls, list):
+            return self
+        for index, call in enumerate(calls):
+            function = call.get("function") if isinstance(call, dict) else None
+            arguments = function.get("arguments") if isinstance(function, dict) else None
+            if isinstance(function, dict) and isinstance(arguments, str):
+                try:
+                    function["arguments"] = json.loads(arguments) if arguments.strip() else {}
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"tool_calls.{index}.function.arguments is not JSON: {e}") from e
+        return self
+
     def for_template(self) -> dict[str, Any]:
         message = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
@@ -188,7 +198,9 @@ class ChatCompletionRequest(SamplingRequest):
     parallel_tool_calls: Flag = True  # False: at most the first call is returned
 
     @model_validator(mode="after")
-    def _tool_choice(self) -> ChatCompletionRequest:
+    def _chat_options(self) -> ChatCompletionRequest:
+        if self.stream and self.prompt_logprobs is not None:  # answered beside the choices, whole
+            raise ValueError("prompt_logprobs is not supported with stream in chat completions")
         if self.tool_choice not in (None, "none", "auto") and not self.tools:
             raise ValueError("tool_choice needs tools")
         constraints = [name for name in STRUCTURED_FIELDS if getattr(self, name) is not None]

@@ -298,11 +298,6 @@ def test_streamed_choices_carry_their_index(client: openai.OpenAI) -> None:
 @pytest.mark.parametrize(
     ("body", "message"),
     [
-        ({"prompt": "hi", "echo": True, "stream": True}, "echo is not supported with stream"),
-        (
-            {"prompt": "hi", "prompt_logprobs": 1, "stream": True},
-            "prompt_logprobs is not supported with stream",
-        ),
         (
             {"prompt": "hi", "prompt_logprobs": 21},
             "prompt_logprobs: Input should be less than or equal to 20",

@@ -27,7 +27,7 @@ from phalanx.server.generation import Chunk, Done, Generation, StopRule
 from phalanx.server.metrics import ServerMetrics
 from phalanx.server.openai_format import ChatFormat, Collected
 from phalanx.server.reasoning import ReasoningSplitter
-from phalanx.server.tool_calls import ToolCallSplitter
+from phalanx.server.tool_calls import ToolCallParser, whole_calls
 
 # A Qwen-style template: system prompt first, tool messages, reasoning kept only in the last
 # turn, a thinking switch, and the template's own raise_exception.
@@ -259,7 +259,7 @@ def test_chat_format_separates_reasoning_streamed_and_whole(tiny_model_dir: Path
 
     async def stream() -> list[dict]:
         fmt = ChatFormat(tokenizer, "tiny", want_logprobs=False, starts_in_reasoning=True)
-        return [chunk async for chunk in fmt.stream_choice(0, generation())]  # type: ignore[arg-type]
+        return [chunk async for chunk in fmt.stream_choice(0, [1], generation())]  # type: ignore[arg-type]
 
     chunks = asyncio.run(stream())
     deltas = [c["delta"] for c in chunks[:-1]]
@@ -279,13 +279,15 @@ def test_chat_format_separates_reasoning_streamed_and_whole(tiny_model_dir: Path
 @pytest.mark.parametrize("step", [1, 4, 1000])
 def test_tool_call_splitter_across_deltas(step: int) -> None:
     text = 'Sure. <tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call><tool_call>{bad}</tool_call> <tool'
-    splitter = ToolCallSplitter()
-    content, calls = [], []
+    parser = ToolCallParser()
+    content, deltas = [], []
     for i in range(0, len(text), step):
-        shown, found = splitter.push(text[i : i + step])
+        shown, found = parser.push(text[i : i + step])
         content.append(shown)
-        calls += found
-    content.append(splitter.flush())
+        deltas += found
+    shown, found = parser.push("", end=True)
+    content.append(shown)
+    calls = whole_calls(deltas + found)
     assert "".join(content) == "Sure. <tool_call>{bad}</tool_call> <tool"
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
         ("f", {"x": 1})

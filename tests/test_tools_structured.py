@@ -85,13 +85,14 @@ def test_a_required_tool_call_streams_as_delta_tool_calls(client: openai.OpenAI)
     stream = client.chat.completions.create(
         model=MODEL_NAME, messages=ASK, max_tokens=80, tools=[WEATHER], tool_choice="required", stream=True
     )
-    calls, finish = [], None
+    deltas, finish = [], None
     for chunk in stream:
         for choice in chunk.choices:
-            calls += choice.delta.tool_calls or []
+            deltas += choice.delta.tool_calls or []
             finish = choice.finish_reason or finish
-    assert finish == "tool_calls" and len(calls) == 1 and calls[0].index == 0
-    _check_call(calls[0].function.name, calls[0].function.arguments)
+    assert finish == "tool_calls" and {d.index for d in deltas} == {0}
+    name = deltas[0].function.name  # the first delta names the call; its arguments follow in pieces
+    _check_call(name, "".join(d.function.arguments or "" for d in deltas))
 
 
 class Weather(BaseModel):
