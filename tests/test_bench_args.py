@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from phalanx.tools.bench_args import at_least, integer_at_least, tp_degrees
+from phalanx.tools.bench.args import at_least, integer_at_least, tp_degrees
 from phalanx.tools.cli import main
 
 

@@ -12,8 +12,8 @@ import torch
 
 from phalanx.models.qwen35 import Qwen35Config
 from phalanx.models.qwen35.sharding import RankLayout
-from phalanx.tools import bench_decode
-from phalanx.tools.bench_decode_tp import sharded_random_weights
+from phalanx.tools.bench import decode as bench_decode
+from phalanx.tools.bench.decode_tp import sharded_random_weights
 
 CPU = torch.device("cpu")
 
@@ -116,8 +116,8 @@ def test_two_gloo_ranks_print_the_table_and_match_tp1_logits(
 
 
 def test_graph_table_sets_the_graph_alone_and_the_pipelined_step_beside_the_served_step() -> None:
-    from phalanx.tools.bench_decode import Row
-    from phalanx.tools.bench_decode_graph import graph_table
+    from phalanx.tools.bench.decode_graph import graph_table
+    from phalanx.tools.bench.measure import Row
 
     graph = [
         Row(1, 2.42, 413.2, 0.808, graph_alone_ms=2.401, pipelined_ms=2.3925),
@@ -134,7 +134,7 @@ def test_graph_table_sets_the_graph_alone_and_the_pipelined_step_beside_the_serv
 
 
 def test_the_pipelined_figure_is_built_from_the_gaps_between_reads() -> None:
-    from phalanx.tools.bench_decode_graph import gaps_ms
+    from phalanx.tools.bench.decode_graph import gaps_ms
 
     assert gaps_ms([1.0, 1.0024, 1.0049, 1.0300]) == pytest.approx([2.4, 2.5, 25.1])
     with pytest.raises(ValueError, match="pipelined figure: 1 timestamps make no gap between steps"):

@@ -8,7 +8,7 @@ import argparse
 import pytest
 
 from phalanx.kernels import ops
-from phalanx.tools import bench_host
+from phalanx.tools.bench import host as bench_host
 
 
 def test_host_bench_times_every_decode_op_and_restores_ops(capsys: pytest.CaptureFixture[str]) -> None:

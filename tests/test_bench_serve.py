@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 from live_server import serve_process
 
-from phalanx.tools import bench_serve
+from phalanx.tools.bench import serve as bench_serve
 from phalanx.tools.cli import main as phalanx
 
 

@@ -32,7 +32,7 @@ from phalanx.kernels.linear_triton import (  # noqa: E402
     rms_norm_linear_triton,
 )
 from phalanx.kernels.norms_triton import rms_norm_triton  # noqa: E402
-from phalanx.tools.bench_linear import LinearShape, linear_shapes  # noqa: E402
+from phalanx.tools.bench.linear import LinearShape, linear_shapes  # noqa: E402
 from tests.gpu_checks import rel  # noqa: E402
 
 DEV = torch.device("cuda")

@@ -173,7 +173,7 @@ def test_tiny_greedy_tokens_match_transformers_bf16(tiny_model_dir: Path) -> Non
 
 
 def test_4b_geometry_random_weights_generates() -> None:
-    from phalanx.tools.bench_decode import build_random_model
+    from phalanx.tools.bench.random_model import build_random_model
 
     model = build_random_model("4b", DEV)
     tokens, logits = greedy(model, prompt_ids(200, seed=2), 16)
@@ -190,7 +190,7 @@ def test_bound_decode_ops_give_the_general_path_s_logits_bit_for_bit(
     linear binds, whether its key went to Triton or cuBLAS (at batch 64 cuBLAS answers some)."""
     from phalanx.kernels import bound
     from phalanx.models.qwen35 import DecodeBatch
-    from phalanx.tools.bench_decode import build_random_model
+    from phalanx.tools.bench.random_model import build_random_model
 
     model = build_random_model("4b", DEV)
     pages_per_row = 4

@@ -313,7 +313,7 @@ def test_unknown_gdn_path_is_refused() -> None:
 def test_bench_gdn_is_a_bench_kind_and_needs_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
     import argparse
 
-    from phalanx.tools import bench
+    from phalanx.tools.bench import cli as bench
 
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)

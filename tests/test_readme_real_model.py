@@ -17,8 +17,8 @@ from live_server import REPO, serve_process
 
 from phalanx.models.qwen35.config import ConfigError, Qwen35Config
 from phalanx.models.qwen35.sharding import RankLayout, tensor_specs
-from phalanx.tools.bench_decode import config_dict
 from phalanx.tools.cli import command_parser
+from phalanx.tools.geometries import config_dict
 
 GIB, MIB = 1 << 30, 1 << 20
 

@@ -33,7 +33,7 @@ from phalanx.protocol import (
 )
 from phalanx.protocol.trace import open_trace, read_trace
 from phalanx.tools.cli import main as phalanx
-from phalanx.tools.replay import describe_body
+from phalanx.tools.replay.show import describe_body
 
 EPOCH = 9
 CAP = Capacity(kv_pages=8, page_size=4, max_slots=2, max_batch_tokens=64)
@@ -204,7 +204,7 @@ def test_generate_record_then_replay_run_matches(
 
 
 def test_replay_comparison_reports_a_changed_token_and_a_lost_failure() -> None:
-    from phalanx.tools.replay_run import Outcome, compare
+    from phalanx.tools.replay.run import Outcome, compare
 
     same = [TokenResult(3, 7, -0.25)]
     assert compare(Outcome(results=same), Outcome(results=[TokenResult(3, 7, -0.25 + 1e-6)])) is None

@@ -1,11 +1,11 @@
-"""The critical-path attribution of ``phalanx bench decode --profile`` (tools/step_profile.py), on
+"""The critical-path attribution of ``phalanx bench decode --profile`` (tools/bench/step_profile.py), on
 hand-made kernel timelines: the profiler itself needs a GPU."""
 
 from __future__ import annotations
 
 import pytest
 
-from phalanx.tools.step_profile import attribute, family
+from phalanx.tools.bench.step_profile import attribute, family
 
 # (start us, end us, name): a GEMV, a norm overlapping its tail (PDL), a GDN step that ends inside
 # the norm, an idle gap, then a second GEMV.

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from phalanx.tools.bench_args import at_least
+from phalanx.tools.bench.args import at_least
 
 COPY_BANDWIDTH = 4.3e12  # bytes/s, device-to-device copy measured on the H200 (read + write)
 L2_FLUSH_BYTES = 256e6  # several times the H200's 60 MB L2: copies per shape cover at least this
@@ -80,7 +80,7 @@ def linear_shapes(geometry: str, tp: int) -> list[LinearShape]:
     """One rank's linear weights of ``geometry`` at TP ``tp``, grouped by role, in layer order."""
     from phalanx.models.qwen35.config import Qwen35Config
     from phalanx.models.qwen35.sharding import RankLayout, tensor_specs
-    from phalanx.tools.bench_decode import config_dict
+    from phalanx.tools.geometries import config_dict
 
     config = Qwen35Config.from_dicts(config_dict(geometry), source=f"geometry {geometry}")
     layout = RankLayout.build(config, 0, tp)

@@ -17,17 +17,23 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
-from phalanx.tools.bench_args import at_least, integer_at_least, tp_degrees
-from phalanx.tools.geometries import GEOMETRIES, config_dict, random_tensor
+from phalanx.tools.bench.args import at_least, integer_at_least, tp_degrees
+from phalanx.tools.bench.decode_graph import graph_decode_rows, graph_table
+from phalanx.tools.bench.decode_tp import multi_rank_requested, run_tp
+from phalanx.tools.bench.measure import (
+    COPY_BANDWIDTH,
+    PAGE_SIZE,
+    Row,
+    cuda_time_ms,
+    kernel_settings,
+    print_profile,
+)
+from phalanx.tools.bench.random_model import build_random_model, weight_bytes_per_step
+from phalanx.tools.geometries import GEOMETRIES, config_dict
 from phalanx.tools.host_info import host_line
-
-COPY_BANDWIDTH = 4.3e12  # bytes/s, device-to-device copy measured on the H200 (read + write)
-PAGE_SIZE = 64
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -92,77 +98,6 @@ def warmup_steps(text: str) -> int:
     return integer_at_least(text, 0, "0 or more steps")
 
 
-def random_weights(config, device: torch.device, dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
-    """Every tensor a TP = 1 rank loads, random, under the loader's keys, shapes and dtypes
-    (specs fused into one tensor, such as gate|up, are concatenated in spec order, as it does)."""
-    from phalanx.models.qwen35.sharding import RankLayout, tensor_specs
-
-    gen = torch.Generator(device=device).manual_seed(seed)
-    layout = RankLayout.build(config, 0, 1)
-    parts: dict[str, list[torch.Tensor]] = {}
-    for spec in tensor_specs(config, layout, include_lm_head=not config.tie_word_embeddings):
-        parts.setdefault(spec.key, []).append(random_tensor(spec, gen, device, dtype))
-    return {key: group[0] if len(group) == 1 else torch.cat(group) for key, group in parts.items()}
-
-
-def build_random_model(
-    geometry: str, device: torch.device, dtype: torch.dtype = torch.bfloat16, seed: int = 0
-):
-    """A ``Qwen35Model`` of the named geometry with random weights made on ``device``."""
-    from phalanx.models.qwen35 import Qwen35Config, Qwen35Model
-    from phalanx.models.qwen35.sharding import RankLayout
-
-    config = Qwen35Config.from_dicts(config_dict(geometry), source=f"geometry {geometry}")
-    weights = random_weights(config, device, dtype, seed)
-    return Qwen35Model(config, RankLayout.build(config, 0, 1), weights, device, dtype)
-
-
-def weight_bytes_per_step(model) -> int:
-    """Bytes of every weight one decode step reads: all layers, the final norm and the LM head
-    (the embedding gathers only B rows; a tied head is counted once, as the head)."""
-    seen: set[int] = set()
-    total = 0
-    tensors = [model.final_norm, model.head.weight]
-    for layer in model.layers:
-        tensors += [t for t in vars(layer).values() if isinstance(t, torch.Tensor)]
-        for part in (layer.attention, layer.linear_attention, layer.mlp):
-            if part is not None:
-                tensors += [
-                    t
-                    for k, t in vars(part).items()
-                    if isinstance(t, torch.Tensor) and not k.endswith(("cache", "state"))
-                ]
-    for t in tensors:
-        if t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            total += t.numel() * t.element_size()
-    return total
-
-
-def cuda_time_ms(fn: Callable[[], object], repeats: int) -> list[float]:
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
-
-
-@dataclass
-class Row:
-    batch: int
-    step_ms: float
-    tokens_per_s: float
-    roofline: float
-    # Graph rows: the GPU's own time for the step (``graph_alone_ms``), without the host's share,
-    # and a rank's pipelined step (``pipelined_ms``, tools/bench_decode_graph.py).
-    graph_alone_ms: float | None = None
-    pipelined_ms: float | None = None
-
-
 def decode_rows(model, batches: list[int], args: argparse.Namespace, device: torch.device) -> list[Row]:
     from phalanx.kernels.parallel_compile import parallel_compile
     from phalanx.models.qwen35 import DecodeBatch
@@ -197,33 +132,6 @@ def decode_rows(model, batches: list[int], args: argparse.Namespace, device: tor
         # Printed as measured, so a run cut short still leaves its figures.
         print(f"measured: {_row_line(rows[-1])}", flush=True)
     return rows
-
-
-def kernel_settings() -> str:
-    """The kernel switches a figure depends on (``PHALANX_PDL``, ``PHALANX_LINEAR``), printed with it."""
-    from phalanx.kernels.launch import pdl_enabled
-    from phalanx.kernels.ops import LINEAR_BACKEND
-
-    return f"PDL {'on' if pdl_enabled() else 'off'}, linears {LINEAR_BACKEND}"
-
-
-def step_linears(model) -> list[str]:
-    """The linears of one decode step in launch order, named as the profile's table names them."""
-    from phalanx.models.qwen35.config import FULL_ATTENTION
-
-    names = []
-    for kind in model.config.layer_types:
-        attention = kind == FULL_ATTENTION
-        names += ["qkv_proj" if attention else "in_proj", "o_proj" if attention else "out_proj"]
-        names += ["gate_up_proj", "down_proj"]
-    return [*names, "lm_head"]
-
-
-def print_profile(model, run: Callable[[], object], what: str) -> None:
-    """Each kernel family's share of the step's critical path (``tools/step_profile.py``)."""
-    from phalanx.tools.step_profile import profile_steps
-
-    print(profile_steps(run, steps=3, labels=step_linears(model)).table(what), flush=True)
 
 
 def prefill_ms(model, length: int, device: torch.device) -> float:
@@ -301,9 +209,7 @@ def _table(title: str, rows: list[Row], prefill: float, prefill_len: int) -> str
 
 
 def run(args: argparse.Namespace) -> int:
-    from phalanx.tools.bench_decode_tp import multi_rank_requested, run_tp
-
-    # --tp other than 1 alone, --device cpu or --json: spawned ranks (tools/bench_decode_tp.py).
+    # --tp other than 1 alone, --device cpu or --json: spawned ranks (tools/bench/decode_tp.py).
     if multi_rank_requested(args):
         return run_tp(args)
     if not torch.cuda.is_available():
@@ -334,7 +240,6 @@ def run(args: argparse.Namespace) -> int:
         )
     )
     if args.cuda_graph:
-        from phalanx.tools.bench_decode_graph import graph_decode_rows, graph_table
         from phalanx.worker.buckets import bucket_for
 
         graph_rows, sweep_s = graph_decode_rows(model, batches, args, device)

@@ -36,8 +36,8 @@ from pathlib import Path
 
 import torch
 
-from phalanx.tools.bench_args import at_least, milliseconds
-from phalanx.tools.bench_decode import GEOMETRIES
+from phalanx.tools.bench.args import at_least, milliseconds
+from phalanx.tools.geometries import GEOMETRIES
 from phalanx.tools.host_info import host_line
 from phalanx.tools.random_checkpoint import write_random_checkpoint
 

@@ -24,7 +24,7 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
-from phalanx.tools.bench_args import at_least
+from phalanx.tools.bench.args import at_least
 
 WORDS = [
     "time",

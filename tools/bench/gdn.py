@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from phalanx.tools.bench_args import at_least
-from phalanx.tools.bench_decode import cuda_time_ms
+from phalanx.tools.bench.args import at_least
+from phalanx.tools.bench.measure import cuda_time_ms
 
 COPY_BANDWIDTH = 4.3e12  # bytes/s, device-to-device copy measured on the H200 (read + write)
 L2_FLUSH_BYTES = 256e6  # several times the H200's 60 MB L2

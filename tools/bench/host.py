@@ -24,8 +24,10 @@ from typing import Any
 import torch
 
 from phalanx.kernels import bound, ops
-from phalanx.tools.bench_args import at_least
-from phalanx.tools.bench_decode import GEOMETRIES, PAGE_SIZE, build_random_model
+from phalanx.tools.bench.args import at_least
+from phalanx.tools.bench.measure import PAGE_SIZE
+from phalanx.tools.bench.random_model import build_random_model
+from phalanx.tools.geometries import GEOMETRIES
 from phalanx.tools.host_info import host_line
 
 

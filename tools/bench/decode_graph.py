@@ -16,14 +16,8 @@ import statistics
 
 import torch
 
-from phalanx.tools.bench_decode import (
-    COPY_BANDWIDTH,
-    PAGE_SIZE,
-    Row,
-    cuda_time_ms,
-    print_profile,
-    weight_bytes_per_step,
-)
+from phalanx.tools.bench.measure import COPY_BANDWIDTH, PAGE_SIZE, Row, cuda_time_ms, print_profile
+from phalanx.tools.bench.random_model import weight_bytes_per_step
 
 
 def graph_decode_rows(

@@ -32,14 +32,14 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from phalanx.tools.bench_decode import (
+from phalanx.tools.bench.measure import (
     COPY_BANDWIDTH,
     PAGE_SIZE,
     cuda_time_ms,
     kernel_settings,
     print_profile,
-    weight_bytes_per_step,
 )
+from phalanx.tools.bench.random_model import weight_bytes_per_step
 from phalanx.tools.geometries import config_dict, random_tensor
 
 # NVLink multicast stays off in every rank (it can take a shared host's GPUs out of service).

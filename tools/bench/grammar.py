@@ -28,7 +28,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from phalanx.protocol.messages import SamplingParams
 from phalanx.server.detokenizer import _BYTE_OF_CHAR as BYTE_OF_CHAR  # GPT-2's byte alphabet
 from phalanx.server.structured import GrammarCheck, tool_call_grammar
-from phalanx.tools.bench_args import at_least
+from phalanx.tools.bench.args import at_least
 from phalanx.worker.grammar import GrammarTable
 from phalanx.worker.sampling import draw_tokens
 

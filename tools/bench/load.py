@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from phalanx.tools.bench_args import at_least
+from phalanx.tools.bench.args import at_least
 
 GIB = 1024**3
 MIB = 1024**2

@@ -36,7 +36,7 @@ from phalanx.protocol.messages import (
 )
 from phalanx.protocol.packing import pack_ids
 from phalanx.protocol.transport import CoordinatorSocket, RankSocket, RuntimeDir, tcp_address
-from phalanx.tools.bench_args import at_least, tp_degrees
+from phalanx.tools.bench.args import at_least, tp_degrees
 
 EPOCH = 1
 

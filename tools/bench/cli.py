@@ -1,4 +1,4 @@
-"""``phalanx bench KIND``: each benchmark lives in its own module ``tools/bench_<kind>.py``."""
+"""``phalanx bench KIND``: each benchmark lives in its own module, ``tools/bench/<kind>.py``."""
 
 from __future__ import annotations
 
@@ -6,25 +6,25 @@ import argparse
 import importlib
 
 BENCHMARKS: dict[str, tuple[str, str]] = {
-    "decode": ("phalanx.tools.bench_decode", "decode step time and prefill time on random weights"),
+    "decode": ("phalanx.tools.bench.decode", "decode step time and prefill time on random weights"),
     "engine": (
-        "phalanx.tools.bench_engine",
+        "phalanx.tools.bench.engine",
         "time per output token through the engine, pipelined decode or not",
     ),
-    "serve": ("phalanx.tools.bench_serve", "TTFT / TPOT / ITL against a running server"),
-    "roundtrip": ("phalanx.tools.bench_roundtrip", "protocol round trip to every rank, no model work"),
-    "load": ("phalanx.tools.bench_load", "peak memory of one rank loading its shard"),
+    "serve": ("phalanx.tools.bench.serve", "TTFT / TPOT / ITL against a running server"),
+    "roundtrip": ("phalanx.tools.bench.roundtrip", "protocol round trip to every rank, no model work"),
+    "load": ("phalanx.tools.bench.load", "peak memory of one rank loading its shard"),
     "linear": (
-        "phalanx.tools.bench_linear",
+        "phalanx.tools.bench.linear",
         "decode linears: Triton skinny GEMV/GEMM vs cuBLAS, in CUDA graphs",
     ),
     "gdn": (
-        "phalanx.tools.bench_gdn",
+        "phalanx.tools.bench.gdn",
         "GDN decode step per layer: fused kernel vs split path, in CUDA graphs",
     ),
-    "host": ("phalanx.tools.bench_host", "host (Python) time of one eager decode step, per op"),
+    "host": ("phalanx.tools.bench.host", "host (Python) time of one eager decode step, per op"),
     "grammar": (
-        "phalanx.tools.bench_grammar",
+        "phalanx.tools.bench.grammar",
         "structured output on rank 0: grammar masks per step vs a plain pick",
     ),
 }

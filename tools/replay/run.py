@@ -36,7 +36,8 @@ from phalanx.protocol.messages import (
     UnifiedDone,
 )
 from phalanx.protocol.trace import Direction, Trace, read_trace
-from phalanx.tools.replay import Step, describe_body, steps
+from phalanx.tools.replay.diff import Step, steps
+from phalanx.tools.replay.show import describe_body
 
 LOGPROB_TOLERANCE = 1e-4
 
