@@ -2,7 +2,7 @@
 CUDA-graph replays under TP 2 (bucket straddles, slot compaction), 256 greedy tokens eager vs
 graph through the runtime, and a rank SIGKILLed mid-decode.
 
-Model-level checks run in ranks spawned by ``tools.bench.decode_tp.run_ranks`` (one GPU each,
+Model-level checks run in ranks spawned by ``tools.bench.ranks.run_ranks`` (one GPU each,
 ``cuda:rank``); rank 0 saves what it saw and the test compares in this process. bf16 tolerances are
 measured, not guessed: TP 2 must be as close to an fp32 reference (CPU, the same weights) as TP 1 is.
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from phalanx.tools.bench.decode_tp import CHILD_ENV, finish_rank, host_barrier, init_rank, run_ranks
+from phalanx.tools.bench.ranks import CHILD_ENV, finish_rank, host_barrier, init_rank, run_ranks
 
 pytestmark = [
     pytest.mark.cuda,
@@ -86,7 +86,7 @@ def run_scenario(model, scenario: Scenario, device: torch.device) -> torch.Tenso
 
 def _build(source: tuple, rank: int, world_size: int, device: torch.device, dtype: torch.dtype):
     from phalanx.models.qwen35 import Qwen35Model
-    from phalanx.tools.bench.decode_tp import build_sharded_model
+    from phalanx.tools.bench.random_model import build_sharded_model
 
     if source[0] == "checkpoint":
         return Qwen35Model.load(source[1], rank=rank, world_size=world_size, device=device, dtype=dtype)
@@ -161,7 +161,7 @@ def test_4b_geometry_tp2_logits_match_tp1_within_bf16(tmp_path: Path) -> None:
     reference runs on the CPU from those very bf16 weights."""
     from phalanx.models.qwen35 import Qwen35Config, Qwen35Model
     from phalanx.models.qwen35.sharding import RankLayout
-    from phalanx.tools.bench.decode_tp import sharded_random_weights
+    from phalanx.tools.bench.random_model import sharded_random_weights
     from phalanx.tools.geometries import config_dict
 
     seed = 3

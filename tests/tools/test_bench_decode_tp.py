@@ -13,7 +13,7 @@ import torch
 from phalanx.models.qwen35 import Qwen35Config
 from phalanx.models.qwen35.sharding import RankLayout
 from phalanx.tools.bench import decode as bench_decode
-from phalanx.tools.bench.decode_tp import sharded_random_weights
+from phalanx.tools.bench.random_model import sharded_random_weights
 
 CPU = torch.device("cpu")
 

@@ -15,22 +15,17 @@ targets, and how far each degree's logits are from TP 1's.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
-import os
-import socket
 import statistics
 import tempfile
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
 import torch
-import torch.distributed as dist
 
 from phalanx.tools.bench.measure import (
     COPY_BANDWIDTH,
@@ -39,12 +34,9 @@ from phalanx.tools.bench.measure import (
     kernel_settings,
     print_profile,
 )
-from phalanx.tools.bench.random_model import weight_bytes_per_step
-from phalanx.tools.geometries import config_dict, random_tensor
+from phalanx.tools.bench.random_model import build_sharded_model, weight_bytes_per_step
+from phalanx.tools.bench.ranks import finish_rank, host_barrier, init_rank, run_ranks
 
-# NVLink multicast stays off in every rank (it can take a shared host's GPUs out of service).
-CHILD_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-RANK_RUN_TIMEOUT_S = 600.0
 TARGET_TP2_BATCH1 = 0.6  # issue 9: TP 2 batch-1 step time <= 0.6 x TP 1
 TARGET_GRAPH_SPEEDUP = 1.3  # issue 9: graph >= 1.3 x eager at TP 2, batch 16
 
@@ -52,118 +44,6 @@ TARGET_GRAPH_SPEEDUP = 1.3  # issue 9: graph >= 1.3 x eager at TP 2, batch 16
 def multi_rank_requested(args: argparse.Namespace) -> bool:
     """Whether ``bench decode`` takes this path: any TP degree but 1 alone, CPU, or JSON output."""
     return args.tp != [1] or args.device == "cpu" or args.json is not None
-
-
-# ------------------------------------------------------------------------------ the sharded model
-
-
-def sharded_random_weights(config, layout, device: torch.device, dtype: torch.dtype, seed: int):
-    """This rank's slices of one global random model: the same global tensors at every TP degree.
-
-    Each whole checkpoint tensor comes from a generator seeded by ``seed`` and the tensor's name
-    (on CUDA, identical GPUs give identical tensors), then only the rank's ranges are kept, and
-    specs fused into one tensor are concatenated in spec order, as the loader does.
-    """
-    from phalanx.models.qwen35.sharding import tensor_specs
-
-    parts: dict[str, list[torch.Tensor]] = {}
-    for spec in tensor_specs(config, layout, include_lm_head=not config.tie_word_embeddings):
-        gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(spec.name.encode()))
-        whole = random_tensor(dataclasses.replace(spec, ranges=None), gen, device, dtype)
-        if spec.ranges is None:
-            local = whole
-        else:
-            pieces = [whole.narrow(spec.dim, lo, hi - lo) for lo, hi in spec.ranges]
-            local = torch.cat(pieces, dim=spec.dim) if len(pieces) > 1 else pieces[0].contiguous()
-        del whole
-        parts.setdefault(spec.key, []).append(local)
-    return {key: group[0] if len(group) == 1 else torch.cat(group) for key, group in parts.items()}
-
-
-def build_sharded_model(
-    geometry: str, rank: int, world_size: int, device: torch.device, dtype: torch.dtype, seed: int
-):
-    """Rank ``rank`` of ``world_size`` of the named geometry's random model."""
-    from phalanx.models.qwen35 import Qwen35Config, Qwen35Model
-    from phalanx.models.qwen35.sharding import RankLayout
-
-    config = Qwen35Config.from_dicts(config_dict(geometry), source=f"geometry {geometry}")
-    layout = RankLayout.build(config, rank, world_size)
-    weights = sharded_random_weights(config, layout, device, dtype, seed)
-    return Qwen35Model(config, layout, weights, device, dtype)
-
-
-# ------------------------------------------------------------------------------ spawning ranks
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def run_ranks(
-    fn: Callable[..., None], world_size: int, args: tuple, timeout_s: float = RANK_RUN_TIMEOUT_S
-) -> None:
-    """Run ``fn(rank, world_size, init_method, *args)`` in ``world_size`` spawned processes.
-
-    Raises (every rank stopped) when a rank fails or exits badly, or when they are not all done
-    within ``timeout_s``: a wedged collective must not hang the caller.
-    """
-    import torch.multiprocessing as mp
-
-    for name, value in CHILD_ENV.items():
-        os.environ.setdefault(name, value)
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
-    context = mp.start_processes(
-        fn, args=(world_size, init_method, *args), nprocs=world_size, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + timeout_s
-    while not context.join(timeout=max(0.0, min(5.0, deadline - time.monotonic()))):
-        if time.monotonic() >= deadline:
-            for process in context.processes:
-                if process.is_alive():
-                    process.kill()
-            for process in context.processes:
-                process.join(10.0)
-            raise TimeoutError(
-                f"{world_size} ranks of {getattr(fn, '__name__', fn)} did not finish within {timeout_s:g} s; "
-                "every rank was killed"
-            )
-
-
-def init_rank(rank: int, world_size: int, init_method: str, device_kind: str) -> torch.device:
-    """Bind this rank's device and, above TP 1, join the process group (NCCL on CUDA, else gloo)."""
-    if device_kind == "cuda":
-        torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
-    elif device_kind == "cpu":
-        device = torch.device("cpu")
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    else:
-        raise ValueError(f"rank {rank}: unknown device {device_kind!r} (cuda or cpu)")
-    if world_size > 1:
-        dist.init_process_group(
-            backend="nccl" if device.type == "cuda" else "gloo",
-            init_method=init_method,
-            rank=rank,
-            world_size=world_size,
-            device_id=device if device.type == "cuda" else None,
-        )
-    return device
-
-
-def host_barrier() -> Callable[[], None]:
-    """A barrier that touches no CUDA stream (a gloo group), like the coordinator's replies."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return lambda: None
-    group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
-    return lambda: dist.barrier(group=group)
-
-
-def finish_rank() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 # ------------------------------------------------------------------------------ one rank's work
