@@ -1,4 +1,5 @@
-"""The ``phalanx`` command line. Each subcommand lives in its own module under ``tools/``.
+"""The ``phalanx`` command line. Each subcommand lives in its own module under ``tools/`` (``bench``
+and ``replay``: a package, whose ``cli.py`` holds its own subcommands).
 
 A subcommand module provides ``add_arguments(parser)`` and ``run(args) -> int``. Modules are
 imported only when their subcommand runs, so ``phalanx generate`` never pays for the server.
@@ -21,8 +22,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("phalanx.tools.serve", "OpenAI-compatible server (the embedded tiny demo model by default)"),
     "generate": ("phalanx.tools.generate", "generate a completion for one prompt"),
     "worker": ("phalanx.tools.worker", "run one rank (for torchrun / SLURM launches)"),
-    "replay": ("phalanx.tools.replay", "show, summarise, re-run or diff a recorded protocol trace"),
-    "bench": ("phalanx.tools.bench", "benchmarks: decode, serve, round trip, sharded load"),
+    "replay": ("phalanx.tools.replay.cli", "show, summarise, re-run or diff a recorded protocol trace"),
+    "bench": ("phalanx.tools.bench.cli", "benchmarks: decode, serve, round trip, sharded load"),
     "eval-mc": ("phalanx.tools.eval_mc", "multiple-choice accuracy over the chat completions API"),
     "make-tiny-model": ("phalanx.tools.make_tiny_model", "write a tiny random Qwen3.5 checkpoint"),
     "make-random-model": (

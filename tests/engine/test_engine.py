@@ -1,0 +1,174 @@
+"""Engine API over a test double of the ranks: streams (sync and async), cancel, validation,
+poison fan-out. The same behaviour through real rank processes: tests/engine/test_engine_runtime.py."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from phalanx.engine.engine import Engine, ErrorEvent, FinishEvent, GenerationParams, TokenEvent
+from phalanx.executor.errors import ExecutorPoisoned
+from phalanx.executor.model_info import ModelInfo
+from phalanx.protocol.messages import Capacity, Command, Decode, Ping
+from tests.support.fake_ranks import FakeRanks
+
+
+class DoubleExecutor(FakeRanks):
+    """FakeRanks plus what the engine needs; ``fail_decode`` poisons it like a failed rank would."""
+
+    def __init__(self, capacity: Capacity) -> None:
+        super().__init__(capacity, vocab=64)
+        self.model_info = ModelInfo(
+            vocab_size=64, eos_token_ids=(63,), max_position_embeddings=64, model_type="fake"
+        )
+        self.poison_reason: str | None = None
+        self.fail_decode = False
+        self.shutdowns = 0
+        self.pings = 0
+        self.fail_ping = False
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def send(self, command: Command) -> int:
+        if isinstance(command, Decode):
+            self.gate.wait(10)
+            if self.fail_decode:
+                self.poison_reason = "rank 1 failed during decode: injected"
+                raise ExecutorPoisoned(self.poison_reason)
+        if isinstance(command, Ping):
+            self.pings += 1
+            if self.fail_ping:
+                self.poison_reason = "rank 0 exited with code -9 during ping"
+                raise ExecutorPoisoned(self.poison_reason)
+        return super().send(command)
+
+    def shutdown(self) -> bool:
+        self.shutdowns += 1
+        return True
+
+
+@pytest.fixture
+def engine():
+    executor = DoubleExecutor(Capacity(kv_pages=16, page_size=4, max_slots=4, max_batch_tokens=8))
+    engine = Engine(executor, "/models/fake-model", idle_ping_interval=0.05)
+    yield engine
+    engine.shutdown()
+
+
+def tokens_and_final(stream) -> tuple[list[int], FinishEvent | ErrorEvent]:
+    events = list(stream)
+    assert all(isinstance(e, TokenEvent) for e in events[:-1])
+    return [e.token_id for e in events[:-1]], events[-1]
+
+
+def test_model_info_bounds_context_by_the_kv_pool(engine: Engine) -> None:
+    info = engine.model_info
+    assert (info.vocab_size, info.eos_token_ids, info.max_context, info.model_name) == (
+        64,
+        (63,),
+        64,
+        "fake-model",
+    )
+
+
+def test_sync_and_async_streams_give_the_same_tokens(engine: Engine) -> None:
+    params = GenerationParams(max_tokens=6, ignore_eos=True, temperature=1.0, seed=5)
+    tokens, final = tokens_and_final(engine.submit([1, 2, 3], params))
+    assert len(tokens) == 6 and final == FinishEvent("length", 3, 6)
+
+    async def consume() -> list:
+        return [event async for event in engine.submit([1, 2, 3], params)]
+
+    events = asyncio.run(consume())
+    assert [e.token_id for e in events[:-1]] == tokens and events[-1] == final
+    # The stats snapshot is published after the tick that emitted the final event.
+    deadline = time.monotonic() + 5.0
+    while engine.stats().kv_pages_used and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stats = engine.stats()
+    assert stats.kv_pages_used == 0 and stats.slots_used == 0 and stats.steps > 0
+
+
+def test_cancel_ends_the_stream_once_and_is_idempotent(engine: Engine) -> None:
+    engine._executor.gate.clear()  # hold the first decode so the request is surely running
+    stream = engine.submit([1, 2], GenerationParams(max_tokens=40, ignore_eos=True))
+    first = stream.next_event(timeout=10)
+    assert isinstance(first, TokenEvent)
+    stream.cancel()
+    engine.cancel(stream.request_id)
+    engine._executor.gate.set()
+    tokens, final = tokens_and_final(stream)
+    assert final.reason == "cancelled" and final.completion_tokens == len(tokens) + 1
+    engine.cancel(stream.request_id)
+    engine.cancel(12345)  # unknown ids are ignored
+    assert tokens_and_final(engine.submit([4], GenerationParams(max_tokens=2)))[1].reason in (
+        "length",
+        "stop",
+    )
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "message"),
+    [
+        ([], GenerationParams(), "prompt is empty"),
+        ([1, 64], GenerationParams(), r"prompt token 64 at index 1 is outside the vocabulary \[0, 64\)"),
+        (
+            [1] * 64,
+            GenerationParams(max_tokens=1),
+            "prompt of 64 tokens is too long: the context holds 64 tokens",
+        ),
+        (
+            [1] * 60,
+            GenerationParams(max_tokens=5),
+            "prompt of 60 tokens plus max_tokens 5 exceeds the context of 64",
+        ),
+        ([1], GenerationParams(max_tokens=0), r"max_tokens must be an integer in \[1, 2147483647\]"),
+        ([1], GenerationParams(max_tokens=True), r"max_tokens must be an integer in \[1, 2147483647\]"),
+        ([1], GenerationParams(temperature=-1.0), r"temperature must be a number in \[0, 2\]"),
+        ([1], GenerationParams(temperature=2.5), r"temperature must be a number in \[0, 2\]"),
+        ([1], GenerationParams(top_p=0.0), r"top_p must be in \(0, 1\]"),
+        ([1], GenerationParams(top_k=-2), r"top_k must be an integer in \[0, 2147483647\]"),
+        ([1], GenerationParams(top_k=2**63), r"top_k must be an integer in \[0, 2147483647\]"),
+        ([1], GenerationParams(seed=2**63), "seed must be a 64-bit signed integer"),
+        ([1], GenerationParams(logprobs=21), r"logprobs must be an integer in \[0, 20\]"),
+    ],
+)
+def test_invalid_input_is_refused_before_queueing(engine: Engine, prompt, params, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        engine.submit(prompt, params)
+    assert engine.stats().waiting == 0
+
+
+def test_poison_gives_every_open_request_exactly_one_error(engine: Engine) -> None:
+    executor = engine._executor
+    executor.gate.clear()
+    streams = [
+        engine.submit([i + 1] * (i + 1), GenerationParams(max_tokens=30, ignore_eos=True)) for i in range(7)
+    ]
+    executor.fail_decode = True
+    executor.gate.set()
+    for stream in streams:
+        events = list(stream)
+        assert [type(e) for e in events if not isinstance(e, TokenEvent)] == [ErrorEvent]
+        assert events[-1].message == "engine is poisoned: rank 1 failed during decode: injected"
+    assert engine.poison_reason == "rank 1 failed during decode: injected"
+    assert executor.shutdowns == 1
+    with pytest.raises(RuntimeError, match="engine is poisoned: rank 1 failed"):
+        engine.submit([1], GenerationParams())
+
+
+def test_an_idle_engine_pings_and_notices_a_dead_rank(engine: Engine) -> None:
+    executor = engine._executor
+    deadline = time.monotonic() + 10
+    while executor.pings < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert executor.pings >= 2 and engine.poison_reason is None
+    executor.fail_ping = True
+    while engine.poison_reason is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.poison_reason == "rank 0 exited with code -9 during ping"
+    with pytest.raises(RuntimeError, match="engine is poisoned: rank 0 exited"):
+        engine.submit([1], GenerationParams())

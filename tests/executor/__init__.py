@@ -1,0 +1,1 @@
+"""The coordinator's side of the ranks: launch, handshake, dispatch, reply validation, poison."""

@@ -1,0 +1,1 @@
+"""Qwen3.5: config, checkpoint loading, the forward against transformers, the tiny checkpoint."""

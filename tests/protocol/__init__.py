@@ -1,0 +1,1 @@
+"""The wire and launch contract, trace files, transport, frame authentication and log lines."""

@@ -1,0 +1,1 @@
+"""Admission, pages, slots, chunked prefill and pipelined steps, against a double of the ranks."""

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server, over real HTTP and in pieces."""

@@ -1,0 +1,86 @@
+"""Run a test module's Triton checks in a child process under ``TRITON_INTERPRET=1``.
+
+The interpreter must be switched on before triton is first imported, and pytest's process has
+imported it already, so each kernel test module re-runs itself as a child (``python <module>``)
+that prints one JSON line per check; the parent's fixture collects them by name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def report(checks: dict[str, Callable[[], dict[str, float]]], seed: int = 0) -> None:
+    """Child side: run every check (each from the same seed), one JSON record per line."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("run with TRITON_INTERPRET=1 (pytest does this)")
+    sys.path.insert(0, str(ROOT))
+    for name, check in checks.items():
+        torch.manual_seed(seed)
+        try:
+            record: dict[str, object] = {"name": name, "errors": check()}
+        except Exception:
+            record = {"name": name, "exception": traceback.format_exc()}
+        print(json.dumps(record), flush=True)
+
+
+def run_interpreted(module_file: str, timeout: float) -> dict[str, dict[str, object]]:
+    """Parent side: the records of ``module_file`` run as an interpreter child, by check name."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, module_file], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
+    records = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            record = json.loads(line)
+            records[record["name"]] = record
+    if not records:
+        raise RuntimeError(
+            f"interpreter checks produced no results (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
+        )
+    return records
+
+
+def assert_within(
+    records: dict[str, dict[str, object]],
+    name: str,
+    tolerance: dict[str, float],
+    default: float,
+    measure: str = "relative error",
+) -> None:
+    """Parent side: check ``name`` reported, raised nothing, and kept each error within its limit."""
+    record = records.get(name)
+    assert record is not None, f"check {name} did not report"
+    assert "exception" not in record, record.get("exception")
+    errors = record["errors"]
+    assert isinstance(errors, dict)
+    for key, err in errors.items():
+        limit = tolerance.get(key, default)
+        assert err <= limit, f"{name}.{key}: {measure} {err:.3g} > {limit}"
+
+
+def import_error(module: str, env: dict[str, str]) -> str:
+    """Imports ``module`` in a fresh interpreter with ``env`` added; returns its stderr, which must
+    come from a failed import (switches read at import time refuse bad values there)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", f"import {module}"],
+        env={**os.environ, **env, "PYTHONPATH": str(ROOT)},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    if proc.returncode == 0:
+        raise AssertionError(f"import {module} with {env} succeeded")
+    return proc.stderr

@@ -1,0 +1,1 @@
+"""The ``phalanx`` command line: its subcommands, benchmarks, eval runner and trace replay."""

@@ -1,0 +1,218 @@
+"""``phalanx bench serve``: latency and throughput of a running OpenAI-compatible server.
+
+Sends ``--num-prompts`` random prompts (token ids by default, or random words) to
+``/v1/completions`` with streaming, at most ``--concurrency`` in flight, each generating exactly
+``--output-len`` tokens (``ignore_eos``). Reports TTFT (arrival of the first token), TPOT (mean
+time per output token after the first, per request), ITL (every gap between streamed tokens),
+p50/p99 and output tokens/s, and writes them as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+from tqdm import tqdm
+
+from phalanx.tools.bench.args import at_least
+
+WORDS = [
+    "time",
+    "person",
+    "year",
+    "way",
+    "day",
+    "thing",
+    "man",
+    "world",
+    "life",
+    "hand",
+    "part",
+    "child",
+    "eye",
+    "woman",
+    "place",
+    "work",
+    "week",
+    "case",
+    "point",
+    "number",
+]
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    latency_s: float = 0.0
+    ttft_s: float = 0.0
+    token_times: list[float] = field(default_factory=list)  # arrival of each streamed chunk
+    output_tokens: int = 0
+    error: str = ""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--base-url", default="http://127.0.0.1:8000", help="server address (with or without /v1)"
+    )
+    parser.add_argument("--model", default=None, help="model id (default: the server's first model)")
+    parser.add_argument("--concurrency", type=at_least(1), default=8, help="requests in flight at once")
+    parser.add_argument("--num-prompts", type=at_least(1), default=64, help="requests sent in all")
+    parser.add_argument(
+        "--input-len", type=at_least(1), default=128, help="prompt tokens (words with --prompt-kind text)"
+    )
+    parser.add_argument(
+        "--output-len", type=at_least(1), default=128, help="tokens generated per request (ignore_eos)"
+    )
+    parser.add_argument(
+        "--prompt-kind", choices=("ids", "text"), default="ids", help="random token ids, or random text"
+    )
+    parser.add_argument("--max-id", type=int, default=256, help="random token ids are drawn from [0, max-id)")
+    parser.add_argument("--seed", type=int, default=42, help="seed of the random prompts")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    parser.add_argument("--out", type=Path, default=Path("bench-serve.json"), help="JSON result file")
+
+
+def _api(base_url: str) -> str:
+    base = base_url.rstrip("/")
+    return base if base.endswith("/v1") else base + "/v1"
+
+
+def make_prompts(args: argparse.Namespace) -> list[list[int] | str]:
+    rng = random.Random(args.seed)
+    if args.prompt_kind == "ids":
+        return [[rng.randrange(args.max_id) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
+    return [" ".join(rng.choice(WORDS) for _ in range(args.input_len)) for _ in range(args.num_prompts)]
+
+
+async def one_request(client: httpx.AsyncClient, api: str, body: dict[str, Any]) -> RequestResult:
+    start = time.perf_counter()
+    result = RequestResult(ok=False)
+    try:
+        async with client.stream("POST", f"{api}/completions", json=body) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread())[:300]!r}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[len("data: ") :])
+                if "error" in event:
+                    result.error = event["error"]["message"]
+                    return result
+                if event.get("usage"):
+                    result.output_tokens = event["usage"]["completion_tokens"]
+                if any(c.get("finish_reason") is None for c in event.get("choices", [])):
+                    result.token_times.append(time.perf_counter() - start)
+    except httpx.HTTPError as e:
+        result.error = f"{type(e).__name__}: {e}"
+        return result
+    result.latency_s = time.perf_counter() - start
+    result.ttft_s = result.token_times[0] if result.token_times else result.latency_s
+    result.ok = result.output_tokens > 0
+    result.error = "" if result.ok else "no tokens"
+    return result
+
+
+async def run_benchmark(args: argparse.Namespace, model: str) -> tuple[list[RequestResult], float]:
+    api = _api(args.base_url)
+    gate = asyncio.Semaphore(args.concurrency)
+    limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
+    async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
+
+        async def limited(prompt: list[int] | str) -> RequestResult:
+            body = {
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": args.output_len,
+                "temperature": 0.0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            async with gate:
+                result = await one_request(client, api, body)
+            bar.update(1)
+            return result
+
+        prompts = make_prompts(args)
+        with tqdm(total=len(prompts), desc="bench serve", unit="req") as bar:
+            started = time.perf_counter()
+            results = await asyncio.gather(*(limited(p) for p in prompts))
+            return list(results), time.perf_counter() - started
+
+
+def _stats_ms(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"mean": 0.0, "p50": 0.0, "p99": 0.0}
+    ms = np.asarray(values) * 1000.0
+    return {
+        "mean": float(ms.mean()),
+        "p50": float(np.percentile(ms, 50)),
+        "p99": float(np.percentile(ms, 99)),
+    }
+
+
+def summarise(
+    args: argparse.Namespace, model: str, results: list[RequestResult], duration_s: float
+) -> dict[str, Any]:
+    done = [r for r in results if r.ok]
+    itl = [b - a for r in done for a, b in zip(r.token_times, r.token_times[1:], strict=False)]
+    tpot = [(r.latency_s - r.ttft_s) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
+    output_tokens = sum(r.output_tokens for r in done)
+    return {
+        "base_url": args.base_url,
+        "model": model,
+        "concurrency": args.concurrency,
+        "num_prompts": args.num_prompts,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "prompt_kind": args.prompt_kind,
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "errors": sorted({r.error for r in results if not r.ok})[:10],
+        "duration_s": duration_s,
+        "total_output_tokens": output_tokens,
+        "output_tokens_per_s": output_tokens / duration_s if duration_s > 0 else 0.0,
+        "requests_per_s": len(done) / duration_s if duration_s > 0 else 0.0,
+        "ttft_ms": _stats_ms([r.ttft_s for r in done]),
+        "tpot_ms": _stats_ms(tpot),
+        "itl_ms": _stats_ms(itl),
+        "latency_ms": _stats_ms([r.latency_s for r in done]),
+        "mean_output_tokens": statistics.fmean([r.output_tokens for r in done]) if done else 0.0,
+    }
+
+
+def _first_model(base_url: str) -> str:
+    response = httpx.get(_api(base_url) + "/models", timeout=30.0)
+    response.raise_for_status()
+    return response.json()["data"][0]["id"]
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        model = args.model or _first_model(args.base_url)
+    except httpx.HTTPError as e:
+        print(f"phalanx bench serve: cannot reach {args.base_url}: {e}", file=sys.stderr)
+        return 1
+    results, duration_s = asyncio.run(run_benchmark(args, model))
+    summary = summarise(args, model, results, duration_s)
+    args.out.write_text(json.dumps(summary, indent=1) + "\n")
+    print(
+        f"{summary['completed']}/{args.num_prompts} requests in {duration_s:.2f} s at concurrency {args.concurrency}:"
+        f" {summary['output_tokens_per_s']:.1f} output tok/s"
+    )
+    for name in ("ttft_ms", "tpot_ms", "itl_ms"):
+        s = summary[name]
+        print(f"  {name:<8} mean {s['mean']:9.2f}  p50 {s['p50']:9.2f}  p99 {s['p99']:9.2f}")
+    print(f"result: {args.out}")
+    return 0 if summary["failed"] == 0 else 1
