@@ -25,6 +25,7 @@ import structlog
 from phalanx.protocol import PROTOCOL_VERSION, ProtocolError, decode_envelope, encode
 from phalanx.protocol.codec import envelope_header
 from phalanx.protocol.messages import (
+    COMMAND_NAMES,
     Ack,
     Cancel,
     Decode,
@@ -48,16 +49,6 @@ from phalanx.worker.faults import fault_point
 from phalanx.worker.logs import bind_seq
 
 log = structlog.get_logger("phalanx.worker")
-
-OP_NAMES: dict[type, str] = {
-    Ping: "ping",
-    Prefill: "prefill",
-    Decode: "decode",
-    Unified: "unified",
-    DropRequest: "drop request",
-    Precapture: "precapture",
-    Shutdown: "shutdown",
-}
 
 EXIT_OK = 0
 EXIT_POISONED = 1
@@ -217,7 +208,7 @@ class CommandLoop:
             self.last_seq = envelope.seq
             bind_seq(envelope.seq)
             command = envelope.body
-            op = OP_NAMES.get(type(command), type(command).__name__.lower())
+            op = COMMAND_NAMES.get(type(command), type(command).__name__.lower())
             try:
                 self._execute(envelope.seq, op, command)
             except _Poisoned:

@@ -240,7 +240,7 @@ def run(args: argparse.Namespace) -> int:
         )
     )
     if args.cuda_graph:
-        from phalanx.worker.buckets import bucket_for
+        from phalanx.protocol.buckets import bucket_for
 
         graph_rows, sweep_s = graph_decode_rows(model, batches, args, device)
         print(
