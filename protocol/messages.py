@@ -1,9 +1,9 @@
 """Every command the coordinator sends and every reply a rank returns.
 
-This file is the wire contract. Each message is a frozen msgspec Struct; the ones that travel
-as the body of an envelope are members of a tagged union (the tag field is ``op``). Token ids
-and page tables travel packed as little-endian int32 bytes (see ``protocol.packing``), never as
-one msgpack object per token.
+This module is the wire contract and its one import point. Each message is a frozen msgspec
+Struct; the ones that travel as the body of an envelope are members of a tagged union (the tag
+field is ``op``). Token ids and page tables travel packed as little-endian int32 bytes (see
+``protocol.packing``), never as one msgpack object per token.
 
 Lifecycle of a rank, as seen on the wire::
 
@@ -16,14 +16,6 @@ Lifecycle of a rank, as seen on the wire::
                                          | Refused)
     coord -> every rank    Envelope(Shutdown)   (answered with Ack, then the rank exits)
 
-The handshake binds a rank to the connection it speaks on: the coordinator answers each signed
-Hello with a fresh nonce for that connection only, and takes the first Ready that is signed by the
-rank, carries this launch's epoch and echoes the nonce sent on the same connection; from then on
-that rank's commands go to that connection alone. A second claim of a bound rank, a Ready whose
-nonce does not match (a replayed hello) and a peer that never sent a signed Hello get nothing.
-
-Rank 0 is the primary: it samples and returns the token payloads; every other rank answers a
-Prefill/Decode/Unified with Ack. A DropRequest is answered with DropAck by every rank.
 
 Pipelined decode: the coordinator may send the next Decode or Unified before it has read the
 previous one's result, so that the GPU never waits for the round trip. Such a step's rows carry
@@ -35,11 +27,12 @@ answers a Decode or Unified as soon as its tokens are on the host. If the next c
 before that and is a Decode or Unified, rank 0 launches it first, then answers; any other command
 runs only after the answer is out. Replies always leave a rank in seq order.
 
-Wire limits: every integer is bounded by its Meta annotation (token ids, positions, slots and
-counts fit int32; request ids and seeds int64), temperatures are finite and at most
-``MAX_TEMPERATURE``, ``top_p`` is in (0, 1]. ``protocol.codec.encode`` refuses a command outside
-them before it is sent, and a rank's decoder refuses a frame outside them, so no value that a
-rank cannot compute with ever reaches it.
+Where each message lives: the commands and the envelopes are defined here; the startup gate
+(Hello ... Heartbeat) in ``protocol.handshake``, the replies in ``protocol.replies``, and the wire
+limits with the value types every message shares (``SamplingParams``, ``Capacity``) in
+``protocol.values``. This module re-exports all of them under ``__all__``, so that the lifecycle
+above, this file and the three it names are the whole spec, and every caller imports each
+message from here whatever file defines it.
 """
 
 from __future__ import annotations
@@ -49,121 +42,41 @@ from typing import Annotated
 
 import msgspec
 
+from phalanx.protocol.handshake import Cancel, Challenge, Go, Heartbeat, Hello, Ready
+from phalanx.protocol.replies import (
+    REPLY_NAMES,
+    Ack,
+    DecodeDone,
+    DropAck,
+    Failed,
+    PrefillDone,
+    PromptLogprobs,
+    RankMessage,
+    Refused,
+    Reply,
+    TokenResult,
+    UnifiedDone,
+)
+from phalanx.protocol.values import (
+    GREEDY_BELOW,
+    INT32_MAX,
+    INT64_MAX,
+    INT64_MIN,
+    MAX_LOGPROBS,
+    MAX_TEMPERATURE,
+    Capacity,
+    Count,
+    Int32,
+    Int64,
+    RequestId,
+    SamplingParams,
+)
+
 # 2: pipelined decode (FED_TOKEN rows); 3: a prefill feeds the first decode;
 # 4: SamplingParams carries min_p, logit_bias and banned ids (min_tokens);
 # 5: prompt logprobs (PrefillChunk.prompt_logprobs and next_token, PromptLogprobs in the replies);
 # 6: constrained output (PrefillChunk.grammar); 7: bounded values, the Hello / Challenge handshake
 PROTOCOL_VERSION = 7
-
-INT32_MAX = (1 << 31) - 1
-INT64_MIN = -(1 << 63)
-INT64_MAX = (1 << 63) - 1
-MAX_TEMPERATURE = 2.0
-MAX_LOGPROBS = 20
-GREEDY_BELOW = 1e-5
-"""A temperature below this samples greedily: dividing logits by it would overflow to inf."""
-
-Int32 = Annotated[int, msgspec.Meta(ge=-INT32_MAX - 1, le=INT32_MAX)]
-Count = Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)]
-Int64 = Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]
-RequestId = Annotated[int, msgspec.Meta(ge=1, le=INT64_MAX)]
-
-# ---------------------------------------------------------------------------------------------
-# Shared pieces
-# ---------------------------------------------------------------------------------------------
-
-
-class SamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
-    """How rank 0 picks a request's next token.
-
-    temperature 0 (or below ``GREEDY_BELOW``) means greedy (ties go to the smallest id). top_k 0 and top_p 1.0 disable those
-    filters. With a seed, the draw depends only on (seed, position), never on the batch. The
-    coordinator gives every request that samples a seed (its own, or one it draws), so a command
-    fixes its tokens; a command without one (only a hand-made trace sends it) draws unseeded.
-    logprobs None returns no logprobs; N >= 0 returns the chosen token's logprob and the top N.
-
-    min_p 0 disables it; else a token stays only if its probability (after temperature) is at
-    least min_p times the most likely token's. ``logit_bias`` (token id -> bias) is added to the
-    logits before the pick, greedy or not. ``banned_ids`` are never picked for a position below
-    ``banned_until`` (a minimum output length keeps the stop tokens out until it is reached).
-    Reported logprobs stay those of the raw distribution, before bias and bans.
-    """
-
-    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=MAX_TEMPERATURE)] = 0.0
-    top_k: Count = 0
-    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
-    seed: Int64 | None = None
-    logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None
-    min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
-    logit_bias: dict[Count, Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]] | None = None
-    banned_ids: list[Count] | None = None
-    banned_until: Count = 0
-
-
-class Capacity(msgspec.Struct, frozen=True):
-    """What one rank can hold. The coordinator takes the element-wise minimum over ranks.
-
-    kv_pages excludes the rank's reserved padding page. max_slots is the number of dense decode
-    slots (and of prefill staging states). max_batch_tokens bounds the tokens of one prefill step.
-    """
-
-    kv_pages: Count
-    page_size: Count
-    max_slots: Count
-    max_batch_tokens: Count
-
-
-# ---------------------------------------------------------------------------------------------
-# Startup gate
-# ---------------------------------------------------------------------------------------------
-
-
-class Hello(msgspec.Struct, frozen=True, tag="hello", tag_field="op"):
-    """A rank's first frame on its connection: it claims its rank (the envelope's, signed)."""
-
-
-class Challenge(msgspec.Struct, frozen=True, tag="challenge", tag_field="op"):
-    """The answer to a Hello, on that connection only: its Ready must echo ``nonce``."""
-
-    nonce: bytes
-
-
-class Ready(msgspec.Struct, frozen=True, tag="ready", tag_field="op"):
-    """A rank bound its device, loaded its shard and sized its capacity. ``nonce`` is its
-    connection's Challenge, so a Ready recorded in another launch or on another connection is
-    refused."""
-
-    capacity: Capacity
-    device: str
-    pid: int
-    host: str
-    nonce: bytes = b""
-
-
-class Go(msgspec.Struct, frozen=True, tag="go", tag_field="op"):
-    """Start distributed init with this effective capacity (the minimum over ranks).
-
-    ``collective_timeout`` (seconds; 0: the rank's own startup timeout) bounds every collective of
-    the process group. The coordinator sets it below its step timeout, so that a rank left waiting
-    for a hung peer fails (and the coordinator names the peer) before the step's deadline."""
-
-    capacity: Capacity
-    dist_init_method: str
-    dist_backend: str
-    collective_timeout: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
-
-
-class Cancel(msgspec.Struct, frozen=True, tag="cancel", tag_field="op"):
-    """Startup failed somewhere: exit without entering distributed init."""
-
-    reason: str
-
-
-class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat", tag_field="op"):
-    """Sent periodically by ranks the coordinator did not spawn, so it can notice them die."""
-
-    unix_time: float
-
 
 # ---------------------------------------------------------------------------------------------
 # Commands (coordinator -> every rank)
@@ -315,98 +228,6 @@ COMMAND_NAMES: dict[type, str] = {
 }
 
 # ---------------------------------------------------------------------------------------------
-# Replies (every rank -> coordinator)
-# ---------------------------------------------------------------------------------------------
-
-
-class TokenResult(msgspec.Struct, frozen=True, array_like=True):
-    """A sampled token. ``logprob`` and the top lists are present when the row asked for them."""
-
-    request_id: RequestId
-    token: Int32
-    logprob: float | None = None
-    top_ids: list[int] | None = None
-    top_logprobs: list[float] | None = None
-
-
-class PromptLogprobs(msgspec.Struct, frozen=True, array_like=True):
-    """A chunk's prompt logprobs: ``logprobs[i]`` is that of the prompt token at position
-    ``start + i`` given the tokens before it, ``ranks[i]`` its rank (1 + the number of ids with a
-    higher logit); the top lists are present when N > 0."""
-
-    request_id: int
-    start: int
-    logprobs: list[float]
-    ranks: list[int]
-    top_ids: list[list[int]] | None = None
-    top_logprobs: list[list[float]] | None = None
-
-
-class Ack(msgspec.Struct, frozen=True, tag="ack", tag_field="op"):
-    pass
-
-
-class DropAck(msgspec.Struct, frozen=True, tag="drop_ack", tag_field="op"):
-    existed: bool
-
-
-class PrefillDone(msgspec.Struct, frozen=True, tag="prefill_done", tag_field="op"):
-    """One result per chunk marked ``last``; earlier chunks produce nothing. One
-    ``PromptLogprobs`` per chunk that asked for them, in chunk order."""
-
-    results: list[TokenResult]
-    prompt_logprobs: list[PromptLogprobs] = []
-
-
-class DecodeDone(msgspec.Struct, frozen=True, tag="decode_done", tag_field="op"):
-    results: list[TokenResult]
-
-
-class UnifiedDone(msgspec.Struct, frozen=True, tag="unified_done", tag_field="op"):
-    prefill: list[TokenResult]
-    decode: list[TokenResult]
-    prompt_logprobs: list[PromptLogprobs] = []
-
-
-class Failed(msgspec.Struct, frozen=True, tag="failed", tag_field="op"):
-    """The rank could not carry out a command (or start): it has poisoned itself and exits.
-
-    ``kind`` classifies the failure ("startup", "state", "execution", "protocol", "timeout");
-    ``phase`` names where it happened ("startup:load", "startup:dist_init", "decode", ...).
-    """
-
-    kind: str
-    message: str
-    phase: str
-    traceback: str = ""
-
-
-class Refused(msgspec.Struct, frozen=True, tag="refused", tag_field="op"):
-    """The rank executed nothing of the command with this seq: a value in it is outside the wire
-    limits (``message`` says where). The rank changed nothing and is not poisoned; the coordinator,
-    which should never have sent it, decides what follows."""
-
-    message: str
-
-
-Reply = Ack | DropAck | PrefillDone | DecodeDone | UnifiedDone | Failed | Refused
-RankMessage = Reply | Hello | Ready | Heartbeat
-
-# Names used in validation error texts ("... returned {name} instead of ...").
-REPLY_NAMES: dict[type, str] = {
-    Ack: "acknowledgement",
-    DropAck: "drop acknowledgement",
-    PrefillDone: "prefill result",
-    DecodeDone: "decode result",
-    UnifiedDone: "unified result",
-    Failed: "failure",
-    Refused: "refusal",
-    Hello: "hello",
-    Ready: "ready",
-    Heartbeat: "heartbeat",
-}
-
-# ---------------------------------------------------------------------------------------------
 # Envelopes
 # ---------------------------------------------------------------------------------------------
 
@@ -429,3 +250,63 @@ class ReplyEnvelope(msgspec.Struct, frozen=True):
     rank: Count
     seq: Int64
     body: RankMessage
+
+
+# Every message and shared value of the wire, wherever it is defined.
+__all__ = [
+    "Ack",
+    "COMMAND_NAMES",
+    "Cancel",
+    "Capacity",
+    "Capture",
+    "Challenge",
+    "Command",
+    "CoordinatorMessage",
+    "Count",
+    "Decode",
+    "DecodeDone",
+    "DecodeRow",
+    "DropAck",
+    "DropRequest",
+    "Envelope",
+    "Expectation",
+    "FED_TOKEN",
+    "Failed",
+    "Finalize",
+    "GREEDY_BELOW",
+    "Go",
+    "Heartbeat",
+    "Hello",
+    "INT32_MAX",
+    "INT64_MAX",
+    "INT64_MIN",
+    "Int32",
+    "Int64",
+    "Launch",
+    "MAX_LOGPROBS",
+    "MAX_TEMPERATURE",
+    "NO_FEED",
+    "NO_TOKEN",
+    "PROTOCOL_VERSION",
+    "Ping",
+    "Precapture",
+    "PrecapturePhase",
+    "Prefill",
+    "PrefillChunk",
+    "PrefillDone",
+    "PromptLogprobs",
+    "REPLY_NAMES",
+    "RankMessage",
+    "Ready",
+    "Refused",
+    "Reply",
+    "ReplyEnvelope",
+    "RequestId",
+    "SamplingParams",
+    "Shutdown",
+    "SlotMove",
+    "TokenResult",
+    "Unified",
+    "UnifiedDone",
+    "Warmup",
+]
