@@ -34,9 +34,10 @@ from phalanx.protocol.messages import (
 )
 from phalanx.protocol.packing import pack_ids
 from phalanx.protocol.transport import CoordinatorSocket, RankSocket, RuntimeDir
-from phalanx.worker.commands import PendingDecode, StepRunner
+from phalanx.worker.commands import StepRunner
 from phalanx.worker.errors import WorkerStateError
 from phalanx.worker.loop import EXIT_OK, EXIT_POISONED, CommandLoop
+from phalanx.worker.pending_steps import PendingDecode
 
 PAGE = 4
 MAX_SLOTS = 3
