@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 
 import msgspec
-import pytest
-import torch
 
 from phalanx.models.qwen35 import Qwen35Model
 from phalanx.protocol import PROTOCOL_VERSION, decode_reply, encode
@@ -36,20 +33,9 @@ from phalanx.worker.loop import EXIT_OK, EXIT_POISONED, CommandLoop
 from phalanx.worker.pending_steps import PendingDecode
 from tests.support.step_runner import (
     decode_row,
-    new_runner,
     prefill_chunk,
     prefilled_runner,
 )
-
-
-@pytest.fixture(scope="module")
-def model(tiny_model_dir: Path) -> Qwen35Model:
-    return Qwen35Model.load(tiny_model_dir, rank=0, world_size=1, device=torch.device("cpu"))
-
-
-@pytest.fixture
-def runner(model: Qwen35Model) -> StepRunner:
-    return new_runner(model)
 
 
 class _Coordinator:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -24,20 +22,9 @@ from tests.support.step_runner import (
     MAX_SLOTS,
     PAGE,
     decode_row,
-    new_runner,
     prefill_chunk,
     prefilled_runner,
 )
-
-
-@pytest.fixture(scope="module")
-def model(tiny_model_dir: Path) -> Qwen35Model:
-    return Qwen35Model.load(tiny_model_dir, rank=0, world_size=1, device=torch.device("cpu"))
-
-
-@pytest.fixture
-def runner(model: Qwen35Model) -> StepRunner:
-    return new_runner(model)
 
 
 def test_phase_and_position_checks(runner: StepRunner) -> None:
