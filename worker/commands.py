@@ -3,8 +3,9 @@
 Every command is first checked against this rank's state (unknown request, phase, cached
 length, page coverage, slot owner); a mismatch raises WorkerStateError before any model work.
 Rank 0 samples and returns TokenResults; other ranks return None (the loop answers Ack). A Decode
-or Unified on rank 0 returns its step still in flight (``PendingStep``, ``worker/pending_steps.py``): the loop answers it once
-its tokens are on the host, after launching the next Decode or Unified if that one arrives first.
+or Unified on rank 0 returns its step still in flight (``PendingStep``, ``worker/pending_steps.py``):
+the loop answers it once its tokens are on the host, after launching the next Decode or Unified if
+that one arrives first.
 
 Pipelined rows (``FED_TOKEN``) feed the token sampled for their request by the previous command:
 a decode row's, or a Prefill's last chunk that named the slot (``feed_slot``), so a request's first
