@@ -3,8 +3,9 @@
 Every command is first checked against this rank's state (unknown request, phase, cached
 length, page coverage, slot owner); a mismatch raises WorkerStateError before any model work.
 Rank 0 samples and returns TokenResults; other ranks return None (the loop answers Ack). A Decode
-or Unified on rank 0 returns its step still in flight (``PendingStep``): the loop answers it once
-its tokens are on the host, after launching the next Decode or Unified if that one arrives first.
+or Unified on rank 0 returns its step still in flight (``PendingStep``, ``worker/pending_steps.py``):
+the loop answers it once its tokens are on the host, after launching the next Decode or Unified if
+that one arrives first.
 
 Pipelined rows (``FED_TOKEN``) feed the token sampled for their request by the previous command:
 a decode row's, or a Prefill's last chunk that named the slot (``feed_slot``), so a request's first
@@ -15,9 +16,6 @@ broadcasts them to the other ranks.
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from dataclasses import dataclass
-
 import torch
 
 from phalanx.kernels.host_staging_triton import feed_tokens
@@ -25,112 +23,22 @@ from phalanx.models.qwen35 import DecodeBatch, PrefillBatch
 from phalanx.protocol.messages import (
     FED_TOKEN,
     NO_FEED,
-    DecodeDone,
     DecodeRow,
     DropRequest,
     PrefillChunk,
     PrefillDone,
-    PromptLogprobs,
-    TokenResult,
-    UnifiedDone,
 )
 from phalanx.protocol.packing import unpack_list
 from phalanx.worker.errors import WorkerStateError
 from phalanx.worker.faults import fault_point
 from phalanx.worker.grammar import GrammarTable
 from phalanx.worker.graphs import DecodeGraphRunner
+from phalanx.worker.pending_steps import PendingDecode, PendingPrefill, PendingUnified
 from phalanx.worker.prompt_scoring import PromptScoring
-from phalanx.worker.request_table import Phase, RequestState, RequestTable
+from phalanx.worker.request_table import Phase, RequestTable
 from phalanx.worker.sampling import DrawnTokens, draw_tokens
 from phalanx.worker.slots import SlotTable
-
-
-@dataclass
-class _ChunkPlan:
-    chunk: PrefillChunk
-    state: RequestState
-    tokens: list[int]
-    pages: list[int]
-
-
-@dataclass
-class _RowPlan:
-    row: DecodeRow
-    state: RequestState
-    pages: list[int]
-
-
-class PendingStep(ABC):
-    """Rank 0's step, launched, its tokens on their way to the host: the loop sends ``reply()``
-    once ``ready()`` says it will not wait for the GPU (``worker/loop.py``)."""
-
-    op: str  # the command, for a poison's reason
-
-    @abstractmethod
-    def ready(self) -> bool: ...
-
-    @abstractmethod
-    def reply(self) -> DecodeDone | UnifiedDone: ...
-
-
-class PendingDecode(PendingStep):
-    """A Decode's rows' tokens."""
-
-    op = "decode"
-
-    def __init__(self, plans: list[_RowPlan], drawn: DrawnTokens) -> None:
-        self._plans = plans
-        self._drawn = drawn
-
-    def ready(self) -> bool:
-        """Whether ``results`` can return without waiting for the GPU."""
-        return self._drawn.ready()
-
-    def results(self) -> list[TokenResult]:
-        samples = self._drawn.to_host()
-        return [
-            TokenResult(plan.row.request_id, *drawn) for plan, drawn in zip(self._plans, samples, strict=True)
-        ]
-
-    def reply(self) -> DecodeDone:
-        return DecodeDone(self.results())
-
-
-class PendingPrefill:
-    """The tokens sampled at a prefill's last chunks (none when no chunk was a prompt's last),
-    and the prompt logprobs of the chunks that asked for them."""
-
-    def __init__(
-        self, request_ids: list[int], drawn: DrawnTokens | None, prompt_logprobs: list[PromptLogprobs]
-    ) -> None:
-        self._request_ids = request_ids
-        self._drawn = drawn
-        self.prompt_logprobs = prompt_logprobs
-
-    def ready(self) -> bool:
-        return self._drawn is None or self._drawn.ready()
-
-    def results(self) -> list[TokenResult]:
-        if self._drawn is None:
-            return []
-        samples = self._drawn.to_host()
-        return [TokenResult(rid, *sample) for rid, sample in zip(self._request_ids, samples, strict=True)]
-
-
-class PendingUnified(PendingStep):
-    """A Unified's prefill half's tokens and its decode half's."""
-
-    op = "unified"
-
-    def __init__(self, prefill: PendingPrefill, decode: PendingDecode) -> None:
-        self._prefill = prefill
-        self._decode = decode
-
-    def ready(self) -> bool:
-        return self._prefill.ready() and self._decode.ready()
-
-    def reply(self) -> UnifiedDone:
-        return UnifiedDone(self._prefill.results(), self._decode.results(), self._prefill.prompt_logprobs)
+from phalanx.worker.step_plans import ChunkPlan, RowPlan
 
 
 class StepRunner:
@@ -189,7 +97,7 @@ class StepRunner:
                 raise WorkerStateError(f"duplicate request id {request_id} in one {op} command")
             seen.add(request_id)
 
-    def _plan_prefill(self, chunks: list[PrefillChunk]) -> list[_ChunkPlan]:
+    def _plan_prefill(self, chunks: list[PrefillChunk]) -> list[ChunkPlan]:
         self._unique("prefill", [chunk.request_id for chunk in chunks])
         total = 0
         plans = []
@@ -214,7 +122,7 @@ class StepRunner:
             pages = self._pages(chunk.request_id, chunk.page_ids, chunk.start + len(tokens))
             self._check_feed_slot(chunk)
             self._check_grammar(chunk)
-            plans.append(_ChunkPlan(chunk, state, tokens, pages))
+            plans.append(ChunkPlan(chunk, state, tokens, pages))
         if total > self.max_batch_tokens:
             raise WorkerStateError(
                 f"prefill of {total} tokens exceeds worker max_batch_tokens {self.max_batch_tokens}"
@@ -254,7 +162,7 @@ class StepRunner:
         if self.grammars is not None:  # the next pick's mask needs these tokens: read them now
             self.grammars.advance(request_ids, drawn.tokens.tolist())
 
-    def _plan_decode(self, rows: list[DecodeRow]) -> list[_RowPlan]:
+    def _plan_decode(self, rows: list[DecodeRow]) -> list[RowPlan]:
         self._unique("decode", [row.request_id for row in rows])
         plans = []
         for row in rows:
@@ -279,12 +187,12 @@ class StepRunner:
                     f"but the request lives in slot {state.decode_slot}"
                 )
             pages = self._pages(row.request_id, row.page_ids, row.position + 1)
-            plans.append(_RowPlan(row, state, pages))
+            plans.append(RowPlan(row, state, pages))
         return plans
 
     # -- execution ------------------------------------------------------------------------------
 
-    def _run_prefill(self, plans: list[_ChunkPlan]) -> PendingPrefill | None:
+    def _run_prefill(self, plans: list[ChunkPlan]) -> PendingPrefill | None:
         batch = PrefillBatch.build(
             [(plan.tokens, plan.chunk.start, plan.state.state_slot, plan.pages) for plan in plans],
             self.device,
@@ -331,7 +239,7 @@ class StepRunner:
             self.fed_tokens.index_copy_(0, slots, drawn.tokens.index_select(0, picked))
         return PendingPrefill(final_ids, drawn, prompt_logprobs)
 
-    def _run_decode(self, plans: list[_RowPlan]) -> PendingDecode | None:
+    def _run_decode(self, plans: list[RowPlan]) -> PendingDecode | None:
         for plan in plans:
             if plan.state.phase is Phase.PREFILLED:
                 self.model.copy_state(plan.state.state_slot, plan.row.slot)

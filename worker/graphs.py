@@ -24,7 +24,7 @@ desynchronise recorded collectives across ranks.
 
 Where graphs cannot be used (on CPU, or when the model reports that its decode kernels cannot be
 captured for this geometry) the runner runs the very same bucketed static buffers, padding rows
-and sweep eagerly ("eager static-buffer" mode), and says so once in the log.
+and sweep eagerly ("eager static-buffer" mode), and says so once in the log (``worker/graph_gate.py``).
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Collection, Iterator
-from dataclasses import dataclass
 
 import structlog
 import torch
@@ -56,91 +55,11 @@ from phalanx.worker.buckets import state_slot_layout
 from phalanx.worker.cores import ranks_on_this_host
 from phalanx.worker.errors import WorkerStateError
 from phalanx.worker.faults import fault_point
+from phalanx.worker.graph_gate import graph_blocker, log_gate_once
+from phalanx.worker.graph_geometry import GraphError, GraphGeometry, padding_slots
 from phalanx.worker.graph_inputs import DecodeInputs, LandedTokens
 
 log = structlog.get_logger("phalanx.graphs")
-
-_GATE_LOGGED: set[str] = set()
-
-
-class GraphError(RuntimeError):
-    """A graph phase arrived out of order, or a batch does not fit the captured shapes."""
-
-
-@dataclass(frozen=True)
-class GraphGeometry:
-    """Shapes the runner is built for.
-
-    ``max_batch`` is the effective decode batch: decode slots are ``0..max_batch-1`` and every
-    bucket up to ``bucket_for(max_batch)`` is captured. Padding rows take free decode slots first,
-    then the spare slots ``spare_slot_base..`` that complete the graph slot reserve to the top
-    bucket (see ``worker.buckets.state_slot_layout``). ``max_pages`` is the page-table width of
-    every row; ``padding_page`` is the reserved padding KV page; ``hidden_size`` and ``dtype``
-    shape the warm-up all-reduce.
-    """
-
-    max_batch: int
-    max_pages: int
-    padding_page: int
-    spare_slot_base: int
-    hidden_size: int
-    dtype: torch.dtype
-    world_size: int = 1
-
-    def padding_candidates(self) -> list[int]:
-        """Every state slot a padding row may use, in order of preference."""
-        spare = bucket_for(self.max_batch) - self.max_batch
-        return list(range(self.max_batch)) + list(range(self.spare_slot_base, self.spare_slot_base + spare))
-
-
-def graph_blocker(model: object, device: torch.device) -> str | None:
-    """Why decode on this device and model cannot be captured, or None when it can."""
-    if device.type != "cuda":
-        return f"device {device.type} has no CUDA graphs"
-    if not torch.cuda.is_available():
-        return "CUDA is not available in this process"
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        backend = dist.get_backend()
-        if backend != "nccl":
-            return f"collectives over {backend} cannot be captured in a CUDA graph"
-    # A model whose decode kernels cannot be captured for its geometry says why here.
-    model_reason = getattr(model, "decode_graph_blocker", None)
-    if callable(model_reason):
-        reason = model_reason()
-        if reason:
-            return str(reason)
-    return None
-
-
-def _log_gate_once(reason: str, rank: int) -> None:
-    if reason in _GATE_LOGGED:
-        return
-    _GATE_LOGGED.add(reason)
-    log.warning("CUDA graph requested but decode stays eager on static buffers", reason=reason, rank=rank)
-
-
-def padding_slots(
-    real_slots: list[int], bucket: int, candidates: list[int], occupied: Collection[int]
-) -> list[int]:
-    """Free state slots for the ``bucket - len(real_slots)`` padding rows, from ``candidates``.
-
-    A slot is free when no row of this batch and no live request (``occupied``) uses it. Dense
-    batches (rows in decode slots ``0..n-1``, nothing live above) take ``candidates[n:bucket]``.
-    """
-    n = len(real_slots)
-    needed = bucket - n
-    if needed == 0:
-        return []
-    if real_slots == candidates[:n] and all(s < n for s in occupied) and bucket <= len(candidates):
-        return candidates[n:bucket]
-    taken = set(real_slots).union(occupied)
-    free = [s for s in candidates if s not in taken][:needed]
-    if len(free) < needed:
-        raise GraphError(
-            f"decode bucket {bucket} needs {needed} padding state slots but only {len(free)} of "
-            f"{len(candidates)} are free"
-        )
-    return free
 
 
 class DecodeGraphRunner:
@@ -161,7 +80,7 @@ class DecodeGraphRunner:
         blocker = graph_blocker(model, device)
         self.uses_cuda_graphs = blocker is None
         if blocker is not None:
-            _log_gate_once(blocker, rank)
+            log_gate_once(blocker, rank)
 
         # With graphs, each graph's first kernel loads the step's rows from pinned memory itself.
         self.inputs = DecodeInputs(

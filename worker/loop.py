@@ -43,10 +43,11 @@ from phalanx.protocol.messages import (
 )
 from phalanx.protocol.rejections import RejectionLog
 from phalanx.protocol.transport import RankSocket
-from phalanx.worker.commands import PendingStep, StepRunner
+from phalanx.worker.commands import StepRunner
 from phalanx.worker.errors import WorkerStateError
 from phalanx.worker.faults import fault_point
 from phalanx.worker.logs import bind_seq
+from phalanx.worker.pending_steps import PendingStep
 
 log = structlog.get_logger("phalanx.worker")
 

@@ -9,7 +9,7 @@ import torch
 
 from phalanx.models.qwen35.batch import DecodeBatch
 from phalanx.worker.errors import WorkerStateError
-from phalanx.worker.graphs import GraphError
+from phalanx.worker.graph_geometry import GraphError
 from tests.worker.test_graphs_runner import PAGE_SIZE, Pair
 
 pytestmark = [

@@ -204,7 +204,8 @@ def _graph_pair_rank(
     from phalanx.models.qwen35 import DecodeBatch, PrefillBatch, Qwen35Model
     from phalanx.protocol.buckets import bucket_for
     from phalanx.worker.buckets import state_slot_layout
-    from phalanx.worker.graphs import DecodeGraphRunner, GraphGeometry
+    from phalanx.worker.graph_geometry import GraphGeometry
+    from phalanx.worker.graphs import DecodeGraphRunner
 
     device = init_rank(rank, world_size, init_method, device_kind)
     dtype = _dtype(device)

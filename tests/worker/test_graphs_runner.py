@@ -13,9 +13,11 @@ from phalanx.executor.precapture import sweep_phases
 from phalanx.models.qwen35 import Qwen35Model
 from phalanx.models.qwen35.batch import DecodeBatch, PrefillBatch
 from phalanx.protocol.messages import Capture, Finalize, Launch, Warmup
-from phalanx.worker import graph_inputs, graphs
+from phalanx.worker import graph_gate, graph_inputs
 from phalanx.worker.buckets import state_slot_layout
-from phalanx.worker.graphs import DecodeGraphRunner, GraphError, GraphGeometry, graph_blocker, padding_slots
+from phalanx.worker.graph_gate import graph_blocker
+from phalanx.worker.graph_geometry import GraphError, GraphGeometry, padding_slots
+from phalanx.worker.graphs import DecodeGraphRunner
 
 PAGE_SIZE = 8
 PAGES_PER_REQUEST = 4
@@ -191,7 +193,7 @@ def test_gate_keeps_decode_eager_and_says_so_once(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     assert graph_blocker(object(), CPU) == "device cpu has no CUDA graphs"
-    monkeypatch.setattr(graphs, "_GATE_LOGGED", set())
+    monkeypatch.setattr(graph_gate, "_GATE_LOGGED", set())
     model = _load(tiny_model_dir, CPU, torch.float32)
     geometry = GraphGeometry(
         max_batch=2,
