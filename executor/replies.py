@@ -5,8 +5,8 @@ epoch, see :mod:`executor.collect`), then checked here against the command that 
 rank exactly once; rank 0 carries the step's reply and every other rank an Ack, or for a drop
 every rank a DropAck that agrees with the expectation; a token reply holds exactly one token per
 decode row and per last prompt chunk, and one prompt-logprob span per chunk that asked. Anything
-else means the replica can no longer be trusted. The error texts are part of the contract (tests
-assert them).
+else means the replica can no longer be trusted. The error texts are part of the contract (the
+tests check them word for word).
 """
 
 from __future__ import annotations
