@@ -7,17 +7,12 @@ import structlog
 
 from phalanx.protocol.logs import configure_logging as _configure
 
-_configured = False
-
 
 def configure_logging(level: str = "info", log_format: str = "console") -> None:
     """Install the pipeline once; later calls keep the first configuration (a CLI configures it
     before it launches a replica, the launcher after)."""
-    global _configured
-    if _configured or structlog.is_configured():
-        return
-    _configure(level, log_format)
-    _configured = True
+    if not structlog.is_configured():
+        _configure(level, log_format)
 
 
 def bind(epoch: int, seq: int) -> None:

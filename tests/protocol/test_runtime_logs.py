@@ -23,14 +23,10 @@ CAPACITY = Capacity(kv_pages=512, page_size=16, max_slots=16, max_batch_tokens=2
 
 @pytest.fixture
 def captured(capsys: pytest.CaptureFixture[str]):
-    executor_logs._configured = False  # an earlier launch configured it
-    structlog.reset_defaults()
+    structlog.reset_defaults()  # an earlier launch configured it
     yield capsys
     structlog.reset_defaults()
     structlog.contextvars.clear_contextvars()
-    # Not through monkeypatch, whose undo would bring back an earlier launch's flag over a reset
-    # pipeline: the next in-process launch would log to stdout (structlog's default).
-    executor_logs._configured = False
 
 
 def test_console_rank_lines_are_short_aligned_and_free_of_reprs(captured: pytest.CaptureFixture[str]) -> None:
