@@ -75,8 +75,9 @@ from phalanx.protocol.values import (
 # 2: pipelined decode (FED_TOKEN rows); 3: a prefill feeds the first decode;
 # 4: SamplingParams carries min_p, logit_bias and banned ids (min_tokens);
 # 5: prompt logprobs (PrefillChunk.prompt_logprobs and next_token, PromptLogprobs in the replies);
-# 6: constrained output (PrefillChunk.grammar); 7: bounded values, the Hello / Challenge handshake
-PROTOCOL_VERSION = 7
+# 6: constrained output (PrefillChunk.grammar); 7: bounded values, the Hello / Challenge handshake;
+# 8: prefix caching (PrefillChunk.restore and .save, Capacity.snapshot_slots)
+PROTOCOL_VERSION = 8
 
 # ---------------------------------------------------------------------------------------------
 # Commands (coordinator -> every rank)
@@ -88,6 +89,21 @@ NO_FEED = -1
 
 NO_TOKEN = -1
 """``PrefillChunk.next_token`` of a prompt's last chunk: no prompt token follows it."""
+
+
+class StateSnapshot(msgspec.Struct, frozen=True, array_like=True):
+    """A request's linear-attention state (every Gated DeltaNet layer's conv and recurrent state)
+    after its first ``position`` prompt tokens, kept in snapshot slot ``slot`` under ``key``.
+
+    Snapshot slots are state slots of their own (``Capacity.snapshot_slots`` of them) beside the
+    decode and staging slots. The coordinator owns them: it picks the slot, and ``key`` is its
+    name for the cached prefix (a hash of the prefix's tokens). A rank remembers which key and
+    position each of its snapshot slots holds, and refuses a restore that names another.
+    """
+
+    slot: Count
+    key: Int64
+    position: Count
 
 
 class PrefillChunk(msgspec.Struct, frozen=True, array_like=True):
@@ -113,6 +129,15 @@ class PrefillChunk(msgspec.Struct, frozen=True, array_like=True):
     text) the request's output must follow. Rank 0 keeps a matcher for the request from this
     chunk until its DropRequest: each token it samples for the request, at this chunk and at every
     decode row, is one the grammar allows at that point (end-of-sequence once it is complete).
+
+    Prefix caching. ``restore`` (a request's first chunk only, None otherwise): the request starts
+    from a cached prefix instead of position 0. ``start`` equals ``restore.position``; the first
+    ``start / page_size`` pages of ``page_ids`` are the prefix's cached KV pages (other requests
+    may share them: a rank never writes a page below ``start``); the rank copies the snapshot into
+    the request's staging state before any model work of the command. ``save``: positions in
+    ``(start, start + len(tokens)]``, ascending, at which the rank copies the request's state into
+    the named snapshot slot (overwriting what it held: the coordinator evicted it), after every
+    restore of the command. A chunk that saves may not ask for prompt logprobs.
     """
 
     request_id: RequestId
@@ -125,6 +150,8 @@ class PrefillChunk(msgspec.Struct, frozen=True, array_like=True):
     prompt_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     next_token: Int32 = NO_TOKEN
     grammar: str | None = None
+    restore: StateSnapshot | None = None
+    save: list[StateSnapshot] = []
 
 
 FED_TOKEN = -1
@@ -305,6 +332,7 @@ __all__ = [
     "SamplingParams",
     "Shutdown",
     "SlotMove",
+    "StateSnapshot",
     "TokenResult",
     "Unified",
     "UnifiedDone",

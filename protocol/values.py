@@ -59,9 +59,12 @@ class Capacity(msgspec.Struct, frozen=True):
 
     kv_pages excludes the rank's reserved padding page. max_slots is the number of dense decode
     slots (and of prefill staging states). max_batch_tokens bounds the tokens of one prefill step.
+    snapshot_slots is the number of prefix-cache state snapshots (``StateSnapshot``) the rank
+    keeps; 0 turns prefix caching off.
     """
 
     kv_pages: Count
     page_size: Count
     max_slots: Count
     max_batch_tokens: Count
+    snapshot_slots: Count = 0

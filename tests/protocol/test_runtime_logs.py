@@ -41,7 +41,7 @@ def test_console_rank_lines_are_short_aligned_and_free_of_reprs(captured: pytest
     assert " r3    ready" in ready and "epoch" not in ready and "77" not in ready
     assert ready.index("seq=12") == rejected.index("seq=12")  # the keys start in one column
     assert ready.endswith(
-        "seq=12 capacity={kv_pages=512 page_size=16 max_slots=16 max_batch_tokens=2048} "
+        "seq=12 capacity={kv_pages=512 page_size=16 max_slots=16 max_batch_tokens=2048 snapshot_slots=0} "
         'dtype=torch.float32 seconds=0.01235 path="/a b"'
     )
     assert "Capacity(" not in ready and "'" not in ready
@@ -58,7 +58,7 @@ def test_coordinator_lines_carry_the_keys_even_from_unbound_threads(
     thread.join()
     step, elsewhere = (json.loads(line) for line in captured.readouterr().err.splitlines())
     assert step["rank"] == "coordinator" and step["epoch"] == 5 and step["seq"] == 9
-    assert step["capacity"] == {"kv_pages": 512, "page_size": 16, "max_slots": 16, "max_batch_tokens": 2048}
+    assert step["capacity"] == {"kv_pages": 512, "page_size": 16, "max_slots": 16, "max_batch_tokens": 2048, "snapshot_slots": 0}
     assert step["event"] == "step" and step["level"] == "info" and step["timestamp"].endswith("Z")
     assert (elsewhere["rank"], elsewhere["epoch"], elsewhere["seq"]) == ("coordinator", None, None)
 
