@@ -76,6 +76,7 @@ def check_prefill(
         _pages(op, chunk.request_id, chunk.page_ids, chunk.start + len(tokens), capacity)
         _feed_slot(op, chunk, capacity, fed)
         _prompt_logprobs(op, chunk, vocab_size)
+        _snapshots(op, chunk, capacity, len(tokens))
     if total > capacity.max_batch_tokens:
         raise StepRejected(f"{op} has {total} tokens, exceeding max_batch_tokens {capacity.max_batch_tokens}")
 
@@ -108,6 +109,32 @@ def _prompt_logprobs(op: str, chunk: PrefillChunk, vocab_size: int) -> None:
         raise StepRejected(f"{where} has next_token {chunk.next_token} outside 0..{vocab_size - 1}")
     if chunk.grammar is not None and not chunk.last:
         raise StepRejected(f"{where} carries a grammar but is not its prompt's last chunk")
+
+
+def _snapshots(op: str, chunk: PrefillChunk, capacity: Capacity, length: int) -> None:
+    where = f"{op} chunk for request {chunk.request_id}"
+    named = ([chunk.restore] if chunk.restore is not None else []) + list(chunk.save)
+    for snapshot in named:
+        if not 0 <= snapshot.slot < capacity.snapshot_slots:
+            raise StepRejected(
+                f"{where} names snapshot slot {snapshot.slot}, outside the ranks' {capacity.snapshot_slots} snapshot slots"
+            )
+    restore = chunk.restore
+    if restore is not None and (restore.position != chunk.start or chunk.start % capacity.page_size):
+        raise StepRejected(
+            f"{where} starts at {chunk.start} but restores a snapshot at position {restore.position} "
+            f"(a cached prefix is whole pages of {capacity.page_size})"
+        )
+    positions = [snapshot.position for snapshot in chunk.save]
+    if positions != sorted(set(positions)) or any(
+        not chunk.start < position <= chunk.start + length for position in positions
+    ):
+        raise StepRejected(
+            f"{where} saves at positions {positions}, not ascending inside "
+            f"({chunk.start}, {chunk.start + length}]"
+        )
+    if positions and chunk.prompt_logprobs is not None:
+        raise StepRejected(f"{where} saves a snapshot and asks for prompt logprobs")
 
 
 def check_decode(rows: list[DecodeRow], capacity: Capacity, vocab_size: int, op: str = "decode") -> None:

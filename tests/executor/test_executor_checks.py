@@ -21,10 +21,11 @@ from phalanx.protocol.messages import (
     Expectation,
     PrefillChunk,
     SlotMove,
+    StateSnapshot,
 )
 from phalanx.protocol.packing import pack_ids
 
-CAPACITY = Capacity(kv_pages=8, page_size=4, max_slots=2, max_batch_tokens=10)
+CAPACITY = Capacity(kv_pages=8, page_size=4, max_slots=2, max_batch_tokens=10, snapshot_slots=2)
 VOCAB = 100
 
 
@@ -50,6 +51,53 @@ def _row(
     request_id: int, slot: int = 0, token: int = 1, position: int = 3, pages: list[int] | None = None
 ) -> DecodeRow:
     return DecodeRow(request_id, slot, token, position, pack_ids(pages if pages is not None else [0]))
+
+
+def _cached(
+    start: int, restore: StateSnapshot | None = None, save: tuple[StateSnapshot, ...] = ()
+) -> PrefillChunk:
+    """A chunk of 4 tokens from ``start``, restoring and saving snapshots."""
+    return replace(_chunk(1, [1, 2, 3, 4], start, pages=[0, 1, 2, 3]), restore=restore, save=list(save))
+
+
+@pytest.mark.parametrize(
+    ("chunk", "text"),
+    [
+        (
+            _cached(4, StateSnapshot(2, 7, 4)),
+            "^prefill chunk for request 1 names snapshot slot 2, outside the ranks' 2 snapshot slots$",
+        ),
+        (
+            _cached(8, StateSnapshot(0, 7, 4)),
+            r"^prefill chunk for request 1 starts at 8 but restores a snapshot at position 4 \(a cached",
+        ),
+        (_cached(6, StateSnapshot(0, 7, 6)), "starts at 6 but restores a snapshot at position 6"),
+        (
+            _cached(4, save=[StateSnapshot(0, 7, 4)]),
+            r"^prefill chunk for request 1 saves at positions \[4\], not ascending inside \(4, 8\]$",
+        ),
+        (_cached(0, save=[StateSnapshot(0, 7, 4), StateSnapshot(1, 8, 4)]), r"saves at positions \[4, 4\]"),
+        (
+            _cached(0, save=[StateSnapshot(0, 7, 9)]),
+            r"saves at positions \[9\], not ascending inside \(0, 4\]",
+        ),
+        (
+            replace(_cached(0, save=[StateSnapshot(0, 7, 4)]), prompt_logprobs=1),
+            "^prefill chunk for request 1 saves a snapshot and asks for prompt logprobs$",
+        ),
+    ],
+)
+def test_snapshot_rejections(chunk: PrefillChunk, text: str) -> None:
+    with pytest.raises(StepRejected, match=text):
+        check_prefill([chunk], CAPACITY, VOCAB)
+
+
+def test_a_chunk_that_restores_and_saves_inside_itself_passes() -> None:
+    check_prefill(
+        [_cached(4, StateSnapshot(0, 7, 4), [StateSnapshot(1, 8, 6), StateSnapshot(0, 9, 8)])],
+        CAPACITY,
+        VOCAB,
+    )
 
 
 @pytest.mark.parametrize(
