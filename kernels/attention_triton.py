@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from phalanx.kernels.launch import FastLaunch, cdiv, next_pow2, prefetch_l2, wait_for_producer
+from phalanx.kernels.varlen import Varlen
 
 # The CPU interpreter computes bf16 dot products wrongly; upcast the operands there.
 _DOT_F32 = os.environ.get("TRITON_INTERPRET") == "1"
@@ -519,6 +520,7 @@ def paged_prefill_attention_triton(
     cu_seqlens: torch.Tensor,
     starts: torch.Tensor,
     scale: float,
+    varlen: Varlen | None = None,
 ) -> torch.Tensor:
     tokens, heads, dim = q.shape
     _check_cache(k_cache, v_cache, dim)
@@ -529,8 +531,8 @@ def paged_prefill_attention_triton(
     n_chunks = cu_seqlens.shape[0] - 1
     if tokens == 0 or n_chunks == 0:
         return out
-    # Prefill is never graph-captured, so the longest chunk may be read on the host.
-    longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    # Without varlen the longest chunk is read on the host: prefill is never graph-captured.
+    longest = varlen.longest if varlen is not None else int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
     block_m, block_n = 64, 32
     device = q.device
     page_tables = page_tables.to(device)

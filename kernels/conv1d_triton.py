@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from phalanx.kernels.launch import FastLaunch, cdiv, next_pow2, wait_for_producer
+from phalanx.kernels.varlen import Varlen
 
 
 @triton.jit
@@ -236,6 +237,7 @@ def causal_conv1d_prefill_triton(
     state_slots: torch.Tensor,
     cu_seqlens: torch.Tensor,
     has_initial_state: torch.Tensor,
+    varlen: Varlen | None = None,
 ) -> torch.Tensor:
     tokens, channels = x.shape
     kernel = weight.shape[1]
@@ -251,8 +253,13 @@ def causal_conv1d_prefill_triton(
     y = torch.empty((tokens, channels), dtype=x.dtype, device=device)
     if tokens == 0 or n_chunks == 0:
         return y
-    chunk_of = torch.searchsorted(cu[1:], torch.arange(tokens, device=device, dtype=torch.int32), right=True)
-    chunk_of = chunk_of.to(torch.int32)
+    if varlen is not None:
+        chunk_of = varlen.chunk_of_token
+    else:
+        chunk_of = torch.searchsorted(
+            cu[1:], torch.arange(tokens, device=device, dtype=torch.int32), right=True
+        )
+        chunk_of = chunk_of.to(torch.int32)
     block_t, block_c = 16, 256
     grid = (cdiv(tokens, block_t), cdiv(channels, block_c))
     _conv_prefill_kernel[grid](

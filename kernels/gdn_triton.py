@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from phalanx.kernels.launch import cdiv, next_pow2
+from phalanx.kernels.varlen import Varlen
 
 
 @triton.jit
@@ -313,6 +314,14 @@ def _fla_chunk_kernel() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | No
     return chunk_gated_delta_rule
 
 
+def _fla_bounds(
+    cu_seqlens: torch.Tensor, varlen: Varlen | None, device: torch.device
+) -> dict[str, torch.Tensor]:
+    if varlen is None:
+        return {"cu_seqlens": cu_seqlens.to(device=device, dtype=torch.long)}
+    return {"cu_seqlens": varlen.cu_seqlens_long, "chunk_indices": varlen.gdn_chunks}
+
+
 def gated_delta_rule_prefill_triton(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -323,7 +332,9 @@ def gated_delta_rule_prefill_triton(
     state_slots: torch.Tensor,
     cu_seqlens: torch.Tensor,
     has_initial_state: torch.Tensor,
+    varlen: Varlen | None = None,
 ) -> torch.Tensor:
+    """``varlen`` hands fla-core its chunk indices, which it would otherwise derive with host syncs."""
     chunk_kernel = _fla_chunk_kernel()
     if chunk_kernel is None or not q.is_cuda:
         return gated_delta_rule_prefill_recurrent_triton(
@@ -348,7 +359,7 @@ def gated_delta_rule_prefill_triton(
         initial_state=initial,
         output_final_state=True,
         use_qk_l2norm_in_kernel=True,
-        cu_seqlens=cu_seqlens.to(device=device, dtype=torch.long),
+        **_fla_bounds(cu_seqlens, varlen, device),
     )
     state.index_copy_(0, slots, final.to(torch.float32))
     return o.squeeze(0).to(v.dtype)

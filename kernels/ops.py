@@ -33,6 +33,7 @@ from phalanx.kernels.linear import (
 from phalanx.kernels.norms import gated_rms_norm_ref, rms_norm_ref
 from phalanx.kernels.rope import apply_rope_ref, rope_cache
 from phalanx.kernels.rope_kv import norm_rope_write_kv_ref
+from phalanx.kernels.varlen import Varlen
 
 __all__ = [
     "apply_rope",
@@ -234,10 +235,12 @@ def paged_prefill_attention(
     cu_seqlens: torch.Tensor,
     starts: torch.Tensor,
     scale: float,
+    varlen: Varlen | None = None,
 ) -> torch.Tensor:
+    """``varlen`` (the same bounds, worked out on the host) spares the CUDA path a host sync."""
     if q.is_cuda:
         return _triton("attention", "paged_prefill_attention")(
-            q, k_cache, v_cache, page_tables, cu_seqlens, starts, scale
+            q, k_cache, v_cache, page_tables, cu_seqlens, starts, scale, varlen
         )
     return paged_prefill_attention_ref(q, k_cache, v_cache, page_tables, cu_seqlens, starts, scale)
 
@@ -257,10 +260,11 @@ def causal_conv1d_prefill(
     state_slots: torch.Tensor,
     cu_seqlens: torch.Tensor,
     has_initial_state: torch.Tensor,
+    varlen: Varlen | None = None,
 ) -> torch.Tensor:
     if x.is_cuda:
         return _triton("conv1d", "causal_conv1d_prefill")(
-            x, weight, conv_state, state_slots, cu_seqlens, has_initial_state
+            x, weight, conv_state, state_slots, cu_seqlens, has_initial_state, varlen
         )
     return causal_conv1d_prefill_ref(x, weight, conv_state, state_slots, cu_seqlens, has_initial_state)
 
@@ -297,10 +301,11 @@ def gated_delta_rule_prefill(
     state_slots: torch.Tensor,
     cu_seqlens: torch.Tensor,
     has_initial_state: torch.Tensor,
+    varlen: Varlen | None = None,
 ) -> torch.Tensor:
     if q.is_cuda:
         return _triton("gdn", "gated_delta_rule_prefill")(
-            q, k, v, g, beta, state, state_slots, cu_seqlens, has_initial_state
+            q, k, v, g, beta, state, state_slots, cu_seqlens, has_initial_state, varlen
         )
     return gated_delta_rule_prefill_ref(q, k, v, g, beta, state, state_slots, cu_seqlens, has_initial_state)
 

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from phalanx.kernels.varlen import Varlen
+
 
 def _host_page_table(page_lists: Sequence[Sequence[int]], width: int) -> np.ndarray:
     """[rows, width] int32; short rows are padded with their own first page (any valid id will do)."""
@@ -30,6 +32,8 @@ class PrefillBatch:
     starts: torch.Tensor  # [n] int32, position of each chunk's first token
     state_slots: torch.Tensor  # [n] int64
     page_tables: torch.Tensor  # [n, P] int32, covering positions [0, start+len)
+    varlen: Varlen  # the chunk bounds in every form a layer's kernels read, worked out on the host
+    token_range: tuple[int, int]  # (lowest, highest) token id, known on the host
 
     @classmethod
     def build(
@@ -44,17 +48,19 @@ class PrefillBatch:
         lengths = [len(tokens) for tokens, _, _, _ in chunks]
         if min(lengths) == 0:
             raise ValueError(f"prefill chunk {lengths.index(0)} has no tokens")
-        cu_seqlens = torch.zeros(len(chunks) + 1, dtype=torch.int32)
-        cu_seqlens[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
+        starts = [start for _, start, _, _ in chunks]
+        token_ids = np.fromiter((t for tokens, _, _, _ in chunks for t in tokens), dtype=np.int64)
+        token_range = (int(token_ids.min()), int(token_ids.max()))
+        varlen = Varlen.build(lengths, starts, device)
         width = max(len(pages) for _, _, _, pages in chunks)
         return cls(
-            tokens=torch.tensor([t for tokens, _, _, _ in chunks for t in tokens], dtype=torch.int64).to(
-                device
-            ),
-            cu_seqlens=cu_seqlens.to(device),
-            starts=torch.tensor([start for _, start, _, _ in chunks], dtype=torch.int32).to(device),
+            tokens=torch.from_numpy(token_ids).to(device),
+            cu_seqlens=varlen.cu_seqlens,
+            starts=varlen.starts,
             state_slots=torch.tensor([slot for _, _, slot, _ in chunks], dtype=torch.int64).to(device),
             page_tables=torch.from_numpy(_host_page_table([pages for *_, pages in chunks], width)).to(device),
+            varlen=varlen,
+            token_range=token_range,
         )
 
 

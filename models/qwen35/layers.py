@@ -25,6 +25,7 @@ from phalanx.kernels.bound import (
     BoundNormRopeWriteKv,
     BoundPreNormedLinear,
 )
+from phalanx.kernels.varlen import Varlen
 from phalanx.models.qwen35.config import FULL_ATTENTION, Qwen35Config
 from phalanx.models.qwen35.parallel import RowParallelLinear, TensorParallel
 from phalanx.models.qwen35.sharding import RankLayout
@@ -55,6 +56,7 @@ class StepContext:
     page_tables: torch.Tensor | None = None  # prefill [n, P] / decode [B, P] int32
     has_initial_state: torch.Tensor | None = None  # prefill [n] bool
     seq_lens: torch.Tensor | None = None  # decode [B] int32
+    varlen: Varlen | None = None  # prefill: the chunk bounds in every form the kernels read
 
     @property
     def is_prefill(self) -> bool:
@@ -118,7 +120,14 @@ class FullAttention:
         )
         if ctx.is_prefill:
             attn = ops.paged_prefill_attention(
-                q, self.k_cache, self.v_cache, ctx.page_tables, ctx.cu_seqlens, ctx.starts, self.scale
+                q,
+                self.k_cache,
+                self.v_cache,
+                ctx.page_tables,
+                ctx.cu_seqlens,
+                ctx.starts,
+                self.scale,
+                ctx.varlen,
             )
             gated = attn * torch.sigmoid(gate)
         else:  # the output gate is fused into decode attention
@@ -188,7 +197,13 @@ class GatedDeltaNet:
             y = self.decode_step(qkv, z, a, b, ctx.state_slots)
             return self.out_proj(y.reshape(tokens, -1)), residual
         mixed = ops.causal_conv1d_prefill(
-            qkv, self.conv_weight, self.conv_state, ctx.state_slots, ctx.cu_seqlens, ctx.has_initial_state
+            qkv,
+            self.conv_weight,
+            self.conv_state,
+            ctx.state_slots,
+            ctx.cu_seqlens,
+            ctx.has_initial_state,
+            ctx.varlen,
         )
         key_size = self.key_heads * self.key_dim
         q, k, v = mixed.split([key_size, key_size, z_size], dim=-1)
@@ -197,7 +212,16 @@ class GatedDeltaNet:
         v = v.reshape(tokens, self.value_heads, self.value_dim)
         g, beta = ops.gdn_gating(a, b, self.A_log, self.dt_bias)
         o = ops.gated_delta_rule_prefill(
-            q, k, v, g, beta, self.recurrent_state, ctx.state_slots, ctx.cu_seqlens, ctx.has_initial_state
+            q,
+            k,
+            v,
+            g,
+            beta,
+            self.recurrent_state,
+            ctx.state_slots,
+            ctx.cu_seqlens,
+            ctx.has_initial_state,
+            ctx.varlen,
         )
         y = ops.gated_rms_norm(o, z.reshape(tokens, self.value_heads, self.value_dim), self.norm, self.eps)
         return self.out_proj(y.reshape(tokens, -1)), residual

@@ -177,42 +177,36 @@ class Qwen35Model:
     def _prefill_layers(self, batch: PrefillBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The last layer's output, the residual before it (every token) and the chunk bounds."""
         self._require_cache("prefill")
-        cu_seqlens = batch.cu_seqlens.to(self.device)
-        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-        chunk_of_token = torch.repeat_interleave(torch.arange(len(lengths), device=self.device), lengths)
-        starts = batch.starts.to(self.device).long()
-        offsets = (
-            torch.arange(batch.tokens.shape[0], device=self.device) - cu_seqlens[:-1].long()[chunk_of_token]
-        )
-        positions = starts[chunk_of_token] + offsets
+        varlen = batch.varlen
         page_tables = batch.page_tables.to(self.device)
-        self._check_prefill_extent(starts + lengths, page_tables.shape[1])
-        tokens = batch.tokens.to(self.device)
-        self._check_token_ids(tokens)
-        pages = page_tables[chunk_of_token, positions // self.page_size].long()
+        self._check_prefill_extent(varlen.ends, page_tables.shape[1])
+        self._check_token_ids(batch.token_range)
+        positions = varlen.positions
+        pages = page_tables[varlen.chunk_of_token.long(), positions // self.page_size].long()
         ctx = StepContext(
             positions=positions,
             kv_slot_ids=pages * self.page_size + positions % self.page_size,
             state_slots=batch.state_slots.to(self.device),
-            cu_seqlens=cu_seqlens,
-            starts=batch.starts.to(self.device),
+            cu_seqlens=varlen.cu_seqlens,
+            starts=varlen.starts,
             page_tables=page_tables,
-            has_initial_state=starts > 0,
+            has_initial_state=varlen.has_initial_state,
+            varlen=varlen,
         )
-        hidden, residual = self._layers(tokens, ctx)
-        return hidden, residual, cu_seqlens
+        hidden, residual = self._layers(batch.tokens.to(self.device), ctx)
+        return hidden, residual, varlen.cu_seqlens
 
-    def _check_token_ids(self, tokens: torch.Tensor) -> None:
-        low, high = int(tokens.min()), int(tokens.max())
+    def _check_token_ids(self, token_range: tuple[int, int]) -> None:
+        low, high = token_range
         if low < 0 or high >= self.config.vocab_size:
             bad = low if low < 0 else high
             raise ValueError(
                 f"rank {self.rank}: prefill token id {bad} is outside the vocabulary [0, {self.config.vocab_size})"
             )
 
-    def _check_prefill_extent(self, ends: torch.Tensor, table_width: int) -> None:
+    def _check_prefill_extent(self, ends: tuple[int, ...], table_width: int) -> None:
         """Each chunk's page table must cover its positions, and they must have RoPE entries."""
-        for chunk, end in enumerate(ends.tolist()):
+        for chunk, end in enumerate(ends):
             if end > table_width * self.page_size:
                 raise ValueError(
                     f"rank {self.rank}: prefill chunk {chunk} reaches position {end - 1} but its page "

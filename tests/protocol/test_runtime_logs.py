@@ -58,7 +58,13 @@ def test_coordinator_lines_carry_the_keys_even_from_unbound_threads(
     thread.join()
     step, elsewhere = (json.loads(line) for line in captured.readouterr().err.splitlines())
     assert step["rank"] == "coordinator" and step["epoch"] == 5 and step["seq"] == 9
-    assert step["capacity"] == {"kv_pages": 512, "page_size": 16, "max_slots": 16, "max_batch_tokens": 2048, "snapshot_slots": 0}
+    assert step["capacity"] == {
+        "kv_pages": 512,
+        "page_size": 16,
+        "max_slots": 16,
+        "max_batch_tokens": 2048,
+        "snapshot_slots": 0,
+    }
     assert step["event"] == "step" and step["level"] == "info" and step["timestamp"].endswith("Z")
     assert (elsewhere["rank"], elsewhere["epoch"], elsewhere["seq"]) == ("coordinator", None, None)
 

@@ -1,0 +1,69 @@
+"""How a prefill batch's tokens split into chunks, worked out once on the host for every layer.
+
+Each varlen kernel wants the chunk bounds in its own form: int32 bounds and starts, the chunk of
+every token, fla-core's (sequence, chunk) pairs, and the longest chunk as a launch size. Derived
+from device tensors inside each layer, the longest chunk and fla-core's chunk count each cost the
+host a sync, 32 layers over: a 512-token prefill of the 4B model spent most of its time waiting
+on them (docs/benchmarks/prefill-h200.md). From the host lists they cost nothing on the way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+GDN_CHUNK = 64
+"""Tokens per chunk of fla-core's chunked delta rule (its default, and the only size we run)."""
+
+
+@dataclass(frozen=True)
+class Varlen:
+    """n chunks of T tokens in all, as every prefill kernel reads them (tensors on the device)."""
+
+    cu_seqlens: torch.Tensor  # [n+1] int32: chunk i holds tokens [cu[i], cu[i+1])
+    cu_seqlens_long: torch.Tensor  # [n+1] int64, fla-core's dtype
+    starts: torch.Tensor  # [n] int32: position of each chunk's first token
+    has_initial_state: torch.Tensor  # [n] bool: the chunk continues a cached prefix
+    chunk_of_token: torch.Tensor  # [T] int32
+    positions: torch.Tensor  # [T] int64
+    gdn_chunks: torch.Tensor  # [NT, 2] int64: fla-core's chunk_indices for GDN_CHUNK
+    longest: int  # tokens of the longest chunk
+    ends: tuple[int, ...]  # each chunk's start + length, on the host
+
+    @classmethod
+    def build(cls, lengths: Sequence[int], starts: Sequence[int], device: torch.device) -> Varlen:
+        if not lengths or min(lengths) < 1 or len(starts) != len(lengths):
+            raise ValueError(f"a varlen batch needs chunks of at least one token, got {list(lengths)}")
+        length = np.asarray(lengths, dtype=np.int64)
+        start = np.asarray(starts, dtype=np.int64)
+        cu = np.zeros(len(length) + 1, dtype=np.int64)
+        np.cumsum(length, out=cu[1:])
+        chunk_of_token = np.repeat(np.arange(len(length)), length)
+        positions = start[chunk_of_token] + np.arange(cu[-1]) - cu[:-1][chunk_of_token]
+        gdn_counts = -(-length // GDN_CHUNK)
+        gdn_sequence = np.repeat(np.arange(len(length)), gdn_counts)
+        gdn_offsets = np.zeros(len(length) + 1, dtype=np.int64)
+        np.cumsum(gdn_counts, out=gdn_offsets[1:])
+        gdn_index = np.arange(gdn_offsets[-1]) - gdn_offsets[:-1][gdn_sequence]
+        # One upload for everything, then views and dtype casts on the device.
+        packed = torch.from_numpy(
+            np.concatenate([cu, start, chunk_of_token, positions, gdn_sequence, gdn_index])
+        ).to(device)
+        n, tokens, nt = len(length), int(cu[-1]), len(gdn_sequence)
+        cu_long, starts_dev, chunk_dev, positions_dev, sequence_dev, index_dev = packed.split(
+            [n + 1, n, tokens, tokens, nt, nt]
+        )
+        return cls(
+            cu_seqlens=cu_long.to(torch.int32),
+            cu_seqlens_long=cu_long,
+            starts=starts_dev.to(torch.int32),
+            has_initial_state=starts_dev > 0,
+            chunk_of_token=chunk_dev.to(torch.int32),
+            positions=positions_dev,
+            gdn_chunks=torch.stack([sequence_dev, index_dev], 1),
+            longest=int(length.max()),
+            ends=tuple((start + length).tolist()),
+        )
