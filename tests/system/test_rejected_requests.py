@@ -84,6 +84,12 @@ def test_an_out_of_vocabulary_prompt_token_fails_its_request_alone(engine: Engin
     assert message == f"request N rejected by rank 0 during unified: prompt {OUTSIDE} (position 1)"
 
 
+def test_a_rejected_chunk_whose_next_chunk_was_already_sent_fails_its_request_alone(engine: Engine) -> None:
+    """The prompt outgrows a step: its second chunk rides in the step sent behind the first."""
+    message = fails_alone_beside_a_running_request(engine, [BAD_ID] + [5] * 99, SHORT)
+    assert message == f"request N rejected by rank 0 during unified: prompt {OUTSIDE} (position 0)"
+
+
 def test_a_grammar_rank_0_cannot_compile_fails_its_request_alone(engine: Engine) -> None:
     message = fails_alone_beside_a_running_request(engine, PROMPT, GenerationParams(grammar="("))
     assert message.startswith(
