@@ -10,6 +10,7 @@ it completes with the tokens it has alone, and the replica serves on.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -119,4 +120,8 @@ def test_the_server_answers_a_rejected_request_with_a_400(engine: Engine, tiny_m
     error = answer.json()["error"]
     assert error["type"] == "invalid_request_error"
     assert error["message"].endswith(f"rejected by rank 0 during prefill: prompt {OUTSIDE} (position 1)")
+    streamed = client.post("/v1/completions", json={**body, "stream": True})
+    assert streamed.status_code == 200
+    events = [line.removeprefix("data: ") for line in streamed.text.splitlines() if line]
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["type"] == "invalid_request_error"
     assert client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4}).status_code == 200
