@@ -6,8 +6,8 @@ rank exactly once; rank 0 carries the step's reply and every other rank an Ack, 
 every rank a DropAck that agrees with the expectation; a token reply names each request it
 rejects once (``RequestRejected``: only that request fails, see ``protocol.replies``) and holds
 exactly one token per other decode row and last prompt chunk, and one prompt-logprob span per
-other chunk that asked. Anything else means the replica can no longer be trusted. The error texts are part of the contract (the
-tests check them word for word).
+other chunk that asked. Anything else means the replica can no longer be trusted. The error texts
+are part of the contract (the tests check them word for word).
 """
 
 from __future__ import annotations
@@ -120,16 +120,14 @@ def validate_tokens(op: str, results: Sequence[TokenResult], expected: Sequence[
 
 def validate_rejected(op: str, rejected: Sequence[RequestRejected], request_ids: Sequence[int]) -> set[int]:
     """Each rejected request is one of the command's, named once; returns their ids."""
-    ids: set[int] = set()
-    for entry in rejected:
-        if entry.request_id not in request_ids:
-            raise ReplyError(
-                f"invalid {op} reply: rejected request id {entry.request_id} is not in the command"
-            )
-        if entry.request_id in ids:
-            raise ReplyError(f"invalid {op} reply: rejected request id {entry.request_id} twice")
-        ids.add(entry.request_id)
-    return ids
+    ids = [entry.request_id for entry in rejected]
+    unknown = next((request_id for request_id in ids if request_id not in request_ids), None)
+    if unknown is not None:
+        raise ReplyError(f"invalid {op} reply: rejected request id {unknown} is not in the command")
+    twice = next((request_id for index, request_id in enumerate(ids) if request_id in ids[:index]), None)
+    if twice is not None:
+        raise ReplyError(f"invalid {op} reply: rejected request id {twice} twice")
+    return set(ids)
 
 
 def validate_prompt_logprobs(
