@@ -288,6 +288,9 @@ def test_replay_comparison_reports_a_changed_token_and_a_lost_failure() -> None:
         "recorded boom (decode), replayed success"
     )
     assert compare(Outcome(), Outcome(failure="x")) is None  # the recording ends before this step
+    assert compare(Outcome(results=[], rejected=[3]), Outcome(results=same)) == (
+        "recorded rejected requests [3], replayed []"
+    )
 
 
 def test_show_names_a_fed_token() -> None:
