@@ -6,7 +6,9 @@ snapshots, never the scheduler, which lives on its own thread.
 
 Every request ends with exactly one final event. When a step fails (the executor is poisoned, or
 rank 0's results do not match the step) the engine is poisoned: every open request gets one
-``ErrorEvent``, the ranks are shut down, and ``submit`` raises from then on.
+``ErrorEvent``, the ranks are shut down, and ``submit`` raises from then on. A request a rank
+rejects (one of its own values it cannot serve) ends alone, with an ``ErrorEvent`` marked
+``rejected``; the engine serves on.
 """
 
 from __future__ import annotations

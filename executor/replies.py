@@ -3,10 +3,11 @@
 A step's replies are collected first (exactly ``world_size`` of them carrying the step's seq and
 epoch, see :mod:`executor.collect`), then checked here against the command that was sent: every
 rank exactly once; rank 0 carries the step's reply and every other rank an Ack, or for a drop
-every rank a DropAck that agrees with the expectation; a token reply holds exactly one token per
-decode row and per last prompt chunk, and one prompt-logprob span per chunk that asked. Anything
-else means the replica can no longer be trusted. The error texts are part of the contract (the
-tests check them word for word).
+every rank a DropAck that agrees with the expectation; a token reply names each request it
+rejects once (``RequestRejected``: only that request fails, see ``protocol.replies``) and holds
+exactly one token per other decode row and last prompt chunk, and one prompt-logprob span per
+other chunk that asked. Anything else means the replica can no longer be trusted. The error texts
+are part of the contract (the tests check them word for word).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from phalanx.protocol.messages import (
     PrefillDone,
     PromptLogprobs,
     ReplyEnvelope,
+    RequestRejected,
     Shutdown,
     TokenResult,
     Unified,
@@ -116,6 +118,18 @@ def validate_tokens(op: str, results: Sequence[TokenResult], expected: Sequence[
             raise ReplyError(f"invalid {op} reply: is missing final request id {request_id}")
 
 
+def validate_rejected(op: str, rejected: Sequence[RequestRejected], request_ids: Sequence[int]) -> set[int]:
+    """Each rejected request is one of the command's, named once; returns their ids."""
+    ids = [entry.request_id for entry in rejected]
+    unknown = next((request_id for request_id in ids if request_id not in request_ids), None)
+    if unknown is not None:
+        raise ReplyError(f"invalid {op} reply: rejected request id {unknown} is not in the command")
+    twice = next((request_id for index, request_id in enumerate(ids) if request_id in ids[:index]), None)
+    if twice is not None:
+        raise ReplyError(f"invalid {op} reply: rejected request id {twice} twice")
+    return set(ids)
+
+
 def validate_prompt_logprobs(
     op: str, chunks: Sequence[PrefillChunk], scored: Sequence[PromptLogprobs]
 ) -> None:
@@ -140,32 +154,40 @@ def validate_prompt_logprobs(
             )
 
 
-def _finals(chunks: Sequence[PrefillChunk]) -> list[int]:
-    return [chunk.request_id for chunk in chunks if chunk.last]
+def _finals(chunks: Sequence[PrefillChunk], rejected: set[int]) -> list[int]:
+    return [chunk.request_id for chunk in chunks if chunk.last and chunk.request_id not in rejected]
 
 
-def _rows(rows: Sequence[DecodeRow]) -> list[int]:
-    return [row.request_id for row in rows]
+def _rows(rows: Sequence[DecodeRow], rejected: set[int]) -> list[int]:
+    return [row.request_id for row in rows if row.request_id not in rejected]
+
+
+def _scored(chunks: Sequence[PrefillChunk], rejected: set[int]) -> list[PrefillChunk]:
+    return [chunk for chunk in chunks if chunk.request_id not in rejected]
 
 
 def validate_prefill(command: Prefill, replies: list[ReplyEnvelope], world_size: int) -> PrefillDone:
     done = validate_primary("prefill", replies, world_size, PrefillDone)
-    validate_tokens("prefill", done.results, _finals(command.chunks))
-    validate_prompt_logprobs("prefill", command.chunks, done.prompt_logprobs)
+    rejected = validate_rejected("prefill", done.rejected, [chunk.request_id for chunk in command.chunks])
+    validate_tokens("prefill", done.results, _finals(command.chunks, rejected))
+    validate_prompt_logprobs("prefill", _scored(command.chunks, rejected), done.prompt_logprobs)
     return done
 
 
 def validate_decode(command: Decode, replies: list[ReplyEnvelope], world_size: int) -> DecodeDone:
     done = validate_primary("decode", replies, world_size, DecodeDone)
-    validate_tokens("decode", done.results, _rows(command.rows))
+    rejected = validate_rejected("decode", done.rejected, _rows(command.rows, set()))
+    validate_tokens("decode", done.results, _rows(command.rows, rejected))
     return done
 
 
 def validate_unified(command: Unified, replies: list[ReplyEnvelope], world_size: int) -> UnifiedDone:
     done = validate_primary("unified", replies, world_size, UnifiedDone)
-    validate_tokens("unified", done.decode, _rows(command.decode))
-    validate_tokens("unified", done.prefill, _finals(command.prefill))
-    validate_prompt_logprobs("unified", command.prefill, done.prompt_logprobs)
+    every = [chunk.request_id for chunk in command.prefill] + _rows(command.decode, set())
+    rejected = validate_rejected("unified", done.rejected, every)
+    validate_tokens("unified", done.decode, _rows(command.decode, rejected))
+    validate_tokens("unified", done.prefill, _finals(command.prefill, rejected))
+    validate_prompt_logprobs("unified", _scored(command.prefill, rejected), done.prompt_logprobs)
     return done
 
 

@@ -54,6 +54,7 @@ from phalanx.protocol.replies import (
     RankMessage,
     Refused,
     Reply,
+    RequestRejected,
     TokenResult,
     UnifiedDone,
 )
@@ -76,8 +77,9 @@ from phalanx.protocol.values import (
 # 4: SamplingParams carries min_p, logit_bias and banned ids (min_tokens);
 # 5: prompt logprobs (PrefillChunk.prompt_logprobs and next_token, PromptLogprobs in the replies);
 # 6: constrained output (PrefillChunk.grammar); 7: bounded values, the Hello / Challenge handshake;
-# 8: prefix caching (PrefillChunk.restore and .save, Capacity.snapshot_slots)
-PROTOCOL_VERSION = 8
+# 8: prefix caching (PrefillChunk.restore and .save, Capacity.snapshot_slots);
+# 9: per-request rejections (RequestRejected in PrefillDone, DecodeDone and UnifiedDone)
+PROTOCOL_VERSION = 9
 
 # ---------------------------------------------------------------------------------------------
 # Commands (coordinator -> every rank)
@@ -329,6 +331,7 @@ __all__ = [
     "Reply",
     "ReplyEnvelope",
     "RequestId",
+    "RequestRejected",
     "SamplingParams",
     "Shutdown",
     "SlotMove",

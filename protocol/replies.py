@@ -2,6 +2,19 @@
 
 Rank 0 is the primary: it samples and returns the token payloads; every other rank answers a
 Prefill/Decode/Unified with Ack. A DropRequest is answered with DropAck by every rank.
+
+Per-request rejection. A value inside the wire limits that a rank still cannot compute with fails
+its request alone, never the rank: a token id outside the model's vocabulary (a chunk's tokens or
+``next_token``, a decode row's token, a ``logit_bias`` or banned id) or a grammar rank 0 cannot
+compile. Every rank checks a command's values before any of its model work (the vocabulary checks
+alike on every rank, the grammar on rank 0 alone) and still runs the request's chunk or row, with
+token 0 in place of each bad id and the bad sampling ids left out, so every rank runs the same
+batch. Rank 0 then answers the request in ``rejected`` instead of with its token and prompt
+logprobs. The request's rank state is what the command would have left, so the coordinator fails
+that request alone and drops it (DropRequest, MustExist, with its slot compaction) as any other.
+A step sent before the rejection was read (pipelined, ``FED_TOKEN``) runs the request's row as
+usual: rank 0 answers it with a token, or rejects it again while its values stay bad, and the
+coordinator discards either.
 """
 
 from __future__ import annotations
@@ -35,6 +48,13 @@ class PromptLogprobs(msgspec.Struct, frozen=True, array_like=True):
     top_logprobs: list[list[float]] | None = None
 
 
+class RequestRejected(msgspec.Struct, frozen=True, array_like=True):
+    """A request of the command that rank 0 cannot serve: ``reason`` names the value and why."""
+
+    request_id: RequestId
+    reason: str
+
+
 class Ack(msgspec.Struct, frozen=True, tag="ack", tag_field="op"):
     pass
 
@@ -45,20 +65,24 @@ class DropAck(msgspec.Struct, frozen=True, tag="drop_ack", tag_field="op"):
 
 class PrefillDone(msgspec.Struct, frozen=True, tag="prefill_done", tag_field="op"):
     """One result per chunk marked ``last``; earlier chunks produce nothing. One
-    ``PromptLogprobs`` per chunk that asked for them, in chunk order."""
+    ``PromptLogprobs`` per chunk that asked for them, in chunk order. A rejected request has
+    neither: it is in ``rejected`` (once per command, whichever chunk or row rank 0 judged)."""
 
     results: list[TokenResult]
     prompt_logprobs: list[PromptLogprobs] = []
+    rejected: list[RequestRejected] = []
 
 
 class DecodeDone(msgspec.Struct, frozen=True, tag="decode_done", tag_field="op"):
     results: list[TokenResult]
+    rejected: list[RequestRejected] = []
 
 
 class UnifiedDone(msgspec.Struct, frozen=True, tag="unified_done", tag_field="op"):
     prefill: list[TokenResult]
     decode: list[TokenResult]
     prompt_logprobs: list[PromptLogprobs] = []
+    rejected: list[RequestRejected] = []
 
 
 class Failed(msgspec.Struct, frozen=True, tag="failed", tag_field="op"):
@@ -76,8 +100,10 @@ class Failed(msgspec.Struct, frozen=True, tag="failed", tag_field="op"):
 
 class Refused(msgspec.Struct, frozen=True, tag="refused", tag_field="op"):
     """The rank executed nothing of the command with this seq: a value in it is outside the wire
-    limits (``message`` says where). The rank changed nothing and is not poisoned; the coordinator,
-    which should never have sent it, decides what follows."""
+    limits (``message`` says where). The rank changed nothing and is not poisoned. The coordinator
+    poisons all the same: its encoder refuses such a command, so one that arrives means the two
+    sides disagree on the wire (a bug or version skew), and the steps it may have pipelined behind
+    it were planned on effects the ranks never had."""
 
     message: str
 

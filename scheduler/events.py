@@ -38,7 +38,11 @@ class FinishEvent:
 
 @dataclass(frozen=True)
 class ErrorEvent:
+    """The request failed. ``rejected``: a rank could not serve one of the request's own values
+    (``protocol.replies``), so the fault is the request's and the replica serves on."""
+
     message: str
+    rejected: bool = False
 
 
 Event = TokenEvent | PromptLogprobsEvent | FinishEvent | ErrorEvent

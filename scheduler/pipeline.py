@@ -8,12 +8,15 @@ requests' prompt chunks ride along in a Unified. A row whose request reaches its
 in the step being read is not continued: that tick reads the step and stops. When a request
 stops on EOS (at a decode row or at its prefill), the step already sent behind it is read too
 (its token for the finished request is discarded), then the finished requests are retired. A
+request that rank 0 rejects (``protocol.replies``) ends the same way: the step behind, which may
+carry its row or its next chunk, is read with whatever it answers for the request discarded. A
 cancellation waits for the step in flight, at most one step.
 
 A prefill-only step that ends every prompt being prefilled, with nothing else to do, is sent the
 same way: its requests take their decode slots at once, each last chunk names its slot
 (``feed_slot``), and the first decode follows ``FED_TOKEN`` before the prefill's reply is read. A
-request that its prefill's token finishes (EOS) is retired once that decode is read.
+request that its prefill's token finishes (EOS), or that the prefill rejects, is retired once that
+decode is read.
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
-from phalanx.scheduler.apply import Applier, Finished
-from phalanx.scheduler.events import FinishReason, TokenEvent
+from phalanx.scheduler.apply import Applier, Ending, Finished
+from phalanx.scheduler.events import TokenEvent
 from phalanx.scheduler.planner import Planner, StepPlan
 from phalanx.scheduler.step_contract import StepExecutor
 
@@ -96,9 +99,10 @@ class Pipeline:
         """Collect ``step`` and take its tokens (those of ``ended`` requests discarded)."""
         return self.applier.apply(step.plan, self.executor.collect(step.handle), ended)
 
-    def _read_prefill_in_flight(self) -> dict[int, tuple[TokenEvent, FinishReason]]:
+    def _read_prefill_in_flight(self) -> dict[int, tuple[TokenEvent | None, Ending]]:
         """Read the prefill sent ahead of the decode in flight, if any: publish each request's
-        first token; returns the requests it finished (to retire once the decode is read)."""
+        first token; returns the requests it finished or rejected (to retire once the decode is
+        read)."""
         sent, self.prefill_in_flight = self.prefill_in_flight, None
         if sent is None:
             return {}

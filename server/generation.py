@@ -28,7 +28,13 @@ from phalanx.server.metrics import ServerMetrics
 
 
 class GenerationError(RuntimeError):
-    """The engine ended the request with an error (for example: the engine is poisoned)."""
+    """The engine ended the request with an error (for example: the engine is poisoned).
+    ``rejected``: a rank could not serve one of the request's own values (a 400, not the server's
+    fault)."""
+
+    def __init__(self, message: str, rejected: bool = False) -> None:
+        super().__init__(message)
+        self.rejected = rejected
 
 
 @dataclass(frozen=True)
@@ -139,7 +145,7 @@ class Generation:
                 elif isinstance(event, ErrorEvent):
                     ended = self._ended()
                     self._metrics.finished("error")
-                    raise GenerationError(event.message)
+                    raise GenerationError(event.message, event.rejected)
         finally:
             if not ended:  # the consumer left early: a client disconnect or a cancelled task
                 self._engine.cancel(self.request_id)

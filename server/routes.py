@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from phalanx.server.choices import Choice, response, stream
-from phalanx.server.errors import ApiError, error_body
+from phalanx.server.errors import ApiError, bad_request, error_body
 from phalanx.server.generation import GenerationError
 from phalanx.server.openai_format import (
     ChatFormat,
@@ -137,6 +137,8 @@ async def _collect_unless_gone(choices: list[Choice], request: Request) -> list[
                 raise ApiError(499, "client disconnected", "client_closed_request")
         return list(task.result())
     except GenerationError as e:
+        if e.rejected:
+            raise bad_request(str(e)) from e
         closed = _state(request).engine.closed_reason is not None  # poisoned, or stopping
         raise ApiError(503 if closed else 500, str(e), "server_error") from e
     finally:
@@ -150,7 +152,8 @@ def _sse(events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
             async for event in events:
                 yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
         except GenerationError as e:
-            yield f"data: {json.dumps(error_body(str(e), 'server_error'))}\n\n"
+            kind = "invalid_request_error" if e.rejected else "server_error"
+            yield f"data: {json.dumps(error_body(str(e), kind))}\n\n"
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(frames(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

@@ -2,6 +2,9 @@
 
 Every command is first checked against this rank's state (unknown request, phase, cached
 length, page coverage, slot owner); a mismatch raises WorkerStateError before any model work.
+The same planning judges each request's own values (``worker/request_checks.py``; rank 0 also
+compiles the grammars there): a request this rank cannot serve is rejected alone, its chunk or row
+run with harmless values in place, and rank 0 answers it in the reply's ``rejected``.
 Rank 0 samples and returns TokenResults; other ranks return None (the loop answers Ack). A Decode
 or Unified on rank 0 returns its step still in flight (``PendingStep``, ``worker/pending_steps.py``):
 the loop answers it once its tokens are on the host, after launching the next Decode or Unified if
@@ -35,10 +38,11 @@ from phalanx.worker.grammar import GrammarTable
 from phalanx.worker.graphs import DecodeGraphRunner
 from phalanx.worker.pending_steps import PendingDecode, PendingPrefill, PendingUnified
 from phalanx.worker.prompt_scoring import PromptScoring
+from phalanx.worker.request_checks import judge_chunk, judge_row
 from phalanx.worker.request_table import Phase, RequestTable
 from phalanx.worker.sampling import DrawnTokens, draw_tokens
 from phalanx.worker.slots import SlotTable
-from phalanx.worker.step_plans import ChunkPlan, RowPlan
+from phalanx.worker.step_plans import ChunkPlan, RowPlan, rejections
 
 
 class StepRunner:
@@ -66,6 +70,10 @@ class StepRunner:
         # request id -> decode slot of every decode row of the previous command: the rows a
         # pipelined step may feed from (empty after any other command).
         self._fed_from: dict[int, int] = {}
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
 
     @property
     def fed_tokens(self) -> torch.Tensor:
@@ -122,7 +130,9 @@ class StepRunner:
             pages = self._pages(chunk.request_id, chunk.page_ids, chunk.start + len(tokens))
             self._check_feed_slot(chunk)
             self._check_grammar(chunk)
-            plans.append(ChunkPlan(chunk, state, tokens, pages))
+            chunk, tokens, rejected = judge_chunk(chunk, tokens, self.vocab_size)
+            rejected = rejected or self._start_grammar(chunk)
+            plans.append(ChunkPlan(chunk, state, tokens, pages, rejected))
         if total > self.max_batch_tokens:
             raise WorkerStateError(
                 f"prefill of {total} tokens exceeds worker max_batch_tokens {self.max_batch_tokens}"
@@ -153,6 +163,12 @@ class StepRunner:
             raise WorkerStateError(
                 f"request {chunk.request_id} carries a grammar but rank 0 has no grammar table"
             )
+
+    def _start_grammar(self, chunk: PrefillChunk) -> str | None:
+        """Rank 0 compiles the chunk's grammar before any model work; returns why it does not."""
+        if chunk.grammar is None or self.grammars is None:
+            return None
+        return self.grammars.start(chunk.request_id, chunk.grammar)
 
     def _constrained(self, request_ids: list[int]) -> torch.Tensor | None:
         """The ids each row may pick, if any row's request has a grammar (rank 0)."""
@@ -187,7 +203,8 @@ class StepRunner:
                     f"but the request lives in slot {state.decode_slot}"
                 )
             pages = self._pages(row.request_id, row.page_ids, row.position + 1)
-            plans.append(RowPlan(row, state, pages))
+            judged, rejected = judge_row(row, self.vocab_size)
+            plans.append(RowPlan(judged, state, pages, rejected))
         return plans
 
     # -- execution ------------------------------------------------------------------------------
@@ -197,8 +214,7 @@ class StepRunner:
             [(plan.tokens, plan.chunk.start, plan.state.state_slot, plan.pages) for plan in plans],
             self.device,
         )
-        vocab = self.model.config.vocab_size
-        scoring = PromptScoring.plan([(plan.chunk, plan.tokens) for plan in plans], vocab)
+        scoring = PromptScoring.plan([(plan.chunk, plan.tokens) for plan in plans])
         scores = None
         if scoring is None or not scoring.rows:
             logits = self.model.prefill(batch)
@@ -213,12 +229,8 @@ class StepRunner:
         prompt_logprobs = [] if scoring is None else scoring.results(scores)
         final = [index for index, plan in enumerate(plans) if plan.chunk.last]
         if not final:
-            return PendingPrefill([], None, prompt_logprobs)
+            return PendingPrefill([], None, prompt_logprobs, rejections(plans))
         final_ids = [plans[i].chunk.request_id for i in final]
-        for i in final:
-            grammar = plans[i].chunk.grammar
-            if grammar is not None and self.grammars is not None:
-                self.grammars.start(plans[i].chunk.request_id, grammar)
         allowed = self._constrained(final_ids)
         drawn = draw_tokens(
             logits[final],
@@ -237,7 +249,7 @@ class StepRunner:
             picked = torch.tensor([row for row, _ in feeding], device=drawn.tokens.device)
             slots = torch.tensor([slot for _, slot in feeding], device=self.fed_tokens.device)
             self.fed_tokens.index_copy_(0, slots, drawn.tokens.index_select(0, picked))
-        return PendingPrefill(final_ids, drawn, prompt_logprobs)
+        return PendingPrefill(final_ids, drawn, prompt_logprobs, rejections(plans))
 
     def _run_decode(self, plans: list[RowPlan]) -> PendingDecode | None:
         for plan in plans:
@@ -287,7 +299,9 @@ class StepRunner:
         fault_point("prefill", self.rank)
         pending = self._run_prefill(self._plan_prefill(chunks))
         self._fed_from = {chunk.request_id: chunk.feed_slot for chunk in chunks if chunk.feed_slot != NO_FEED}
-        return None if pending is None else PrefillDone(pending.results(), pending.prompt_logprobs)
+        if pending is None:
+            return None
+        return PrefillDone(pending.results(), pending.prompt_logprobs, pending.rejected)
 
     def decode(self, rows: list[DecodeRow]) -> PendingDecode | None:
         """Launches the step; rank 0 gets it back in flight (``PendingDecode.results``)."""

@@ -36,11 +36,14 @@ class GrammarTable:
             self._tokenizer = llguidance.LLTokenizer(json_text, n_vocab=self._vocab_size, eos_token=self._eos)
         return self._tokenizer
 
-    def start(self, request_id: int, grammar: str) -> None:
+    def start(self, request_id: int, grammar: str) -> str | None:
+        """Keep a matcher for the request; returns why the grammar does not compile (then none is
+        kept: the request is rejected alone)."""
         matcher = llguidance.LLMatcher(self._lltokenizer(), grammar, log_level=0)
         if matcher.is_error():
-            raise WorkerStateError(f"grammar of request {request_id} does not compile: {matcher.get_error()}")
+            return f"grammar does not compile: {matcher.get_error().strip()}"
         self._matchers[request_id] = matcher
+        return None
 
     def drop(self, request_id: int) -> None:
         self._matchers.pop(request_id, None)

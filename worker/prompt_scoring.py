@@ -36,13 +36,14 @@ class PromptScoring:
         return max(span.top_n for span in self.spans)
 
     @classmethod
-    def plan(cls, chunks: list[tuple[PrefillChunk, list[int]]], vocab_size: int) -> PromptScoring | None:
-        """The scoring of ``chunks`` (each with its tokens, in batch order); None if none asks."""
+    def plan(cls, chunks: list[tuple[PrefillChunk, list[int]]]) -> PromptScoring | None:
+        """The scoring of ``chunks`` (each with its tokens, in batch order; their token ids are
+        judged already, ``worker/request_checks.py``); None if none asks."""
         scoring = cls()
         offset = 0
         for chunk, tokens in chunks:
             if chunk.prompt_logprobs is not None:
-                _check(chunk, chunk.prompt_logprobs, vocab_size)
+                _check(chunk, chunk.prompt_logprobs)
                 targets = tokens[1:] + ([] if chunk.next_token == NO_TOKEN else [chunk.next_token])
                 scoring.rows += range(offset, offset + len(targets))
                 scoring.targets += targets
@@ -80,7 +81,7 @@ class PromptScoring:
         return torch.tensor(self.rows, device=device), torch.tensor(self.targets, device=device)
 
 
-def _check(chunk: PrefillChunk, top_n: int, vocab_size: int) -> None:
+def _check(chunk: PrefillChunk, top_n: int) -> None:
     where = f"prefill chunk for request {chunk.request_id}"
     if not 0 <= top_n <= MAX_PROMPT_TOP_LOGPROBS:
         raise WorkerStateError(
@@ -88,5 +89,3 @@ def _check(chunk: PrefillChunk, top_n: int, vocab_size: int) -> None:
         )
     if chunk.last != (chunk.next_token == NO_TOKEN):
         raise WorkerStateError(f"{where}: next_token {chunk.next_token} does not match last={chunk.last}")
-    if chunk.next_token != NO_TOKEN and not 0 <= chunk.next_token < vocab_size:
-        raise WorkerStateError(f"{where}: next_token {chunk.next_token} is outside the vocabulary")

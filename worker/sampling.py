@@ -75,7 +75,8 @@ def _steered(
     logits: torch.Tensor, params: list[SamplingParams], positions: list[int], allowed: torch.Tensor | None
 ) -> torch.Tensor | None:
     """The logits with each row's bias added, its banned ids and the ids its grammar does not
-    allow (``allowed`` False) at -inf; None if no row has any of these."""
+    allow (``allowed`` False) at -inf; None if no row has any of these. A ban that would leave a
+    row nothing its grammar allows is lifted for that row: the output must follow the grammar."""
     steered = None
     if allowed is not None:
         steered = torch.where(allowed, logits.to(torch.float32), float("-inf"))
@@ -90,7 +91,10 @@ def _steered(
             bias = torch.tensor(list(p.logit_bias.values()), dtype=torch.float32, device=logits.device)
             steered[row].index_add_(0, ids, bias)
         if banned:
+            unbanned = steered[row].clone() if allowed is not None else None
             steered[row, torch.tensor(banned, device=logits.device)] = float("-inf")
+            if unbanned is not None and not bool(torch.isfinite(steered[row]).any()):
+                steered[row] = unbanned  # the grammar allows only banned ids: it wins over the ban
     return steered
 
 

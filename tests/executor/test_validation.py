@@ -35,6 +35,7 @@ from phalanx.protocol.messages import (
     PrefillDone,
     PromptLogprobs,
     ReplyEnvelope,
+    RequestRejected,
     TokenResult,
     Unified,
     UnifiedDone,
@@ -133,6 +134,30 @@ def test_a_prefill_reply_holds_the_prompt_logprobs_each_chunk_asked_for() -> Non
         "invalid prefill reply: prompt logprobs of request 1 from 1 (1) answer chunk of request 1 from 1 (3)"
     ):
         validate(command, [_reply(0, PrefillDone([TokenResult(2, 9)], [short]))], 1)
+
+
+def test_a_rejected_request_is_one_of_the_command_named_once_with_no_token_or_logprobs() -> None:
+    command = Unified([_chunk(2, prompt_logprobs=0), _chunk(3, last=False)], _rows(1).rows)
+    rejected = [RequestRejected(2, "prompt token id 600 is outside the vocabulary [0, 512) (position 1)")]
+    done = UnifiedDone([], [TokenResult(1, 4)], [], rejected)
+    assert validate(command, [_reply(0, done)], 1) is done
+    assert validate(_rows(1, 2), [_reply(0, DecodeDone([TokenResult(2, 4)], [RequestRejected(1, "x")]))], 1)
+    with _raises("invalid prefill reply: rejected request id 4 is not in the command"):
+        validate(
+            Prefill([_chunk(1)]),
+            [_reply(0, PrefillDone([TokenResult(1, 1)], [], [RequestRejected(4, "x")]))],
+            1,
+        )
+    with _raises("invalid decode reply: rejected request id 1 twice"):
+        validate(_rows(1), [_reply(0, DecodeDone([], [RequestRejected(1, "x"), RequestRejected(1, "y")]))], 1)
+    with _raises("invalid decode reply: returned unknown or non-final request id 1"):
+        validate(_rows(1), [_reply(0, DecodeDone([TokenResult(1, 1)], [RequestRejected(1, "x")]))], 1)
+    with _raises("invalid unified reply: 1 prompt logprob spans for 0 chunks that asked"):
+        validate(
+            command,
+            [_reply(0, UnifiedDone([], [TokenResult(1, 4)], [PromptLogprobs(2, 1, [], [])], rejected))],
+            1,
+        )
 
 
 def test_drop_expectations() -> None:

@@ -16,9 +16,11 @@ from phalanx.protocol.messages import (
     Prefill,
     PrefillChunk,
     ReplyEnvelope,
+    RequestRejected,
     SamplingParams,
     SlotMove,
     TokenResult,
+    UnifiedDone,
 )
 from phalanx.protocol.packing import pack_ids, unpack_list
 
@@ -49,6 +51,9 @@ def test_token_ids_travel_packed() -> None:
 
 def test_reply_round_trip() -> None:
     reply = ReplyEnvelope(PROTOCOL_VERSION, 7, 1, 3, DecodeDone([TokenResult(2, 11, -0.5, [11], [-0.5])]))
+    assert decode_reply(encode(reply), epoch=7) == reply
+    rejected = UnifiedDone([], [TokenResult(2, 11)], [], [RequestRejected(4, "grammar does not compile: x")])
+    reply = ReplyEnvelope(PROTOCOL_VERSION, 7, 0, 3, rejected)
     assert decode_reply(encode(reply), epoch=7) == reply
 
 

@@ -8,10 +8,11 @@ from __future__ import annotations
 import pytest
 
 from phalanx.protocol.messages import FED_TOKEN, NO_FEED, Expectation
+from phalanx.scheduler.events import ErrorEvent
 from phalanx.scheduler.requests import Request
 from phalanx.scheduler.scheduler import Scheduler
 from tests.support.fake_ranks import FakeRanks
-from tests.support.scheduler_driver import Sink, assert_pools_full, make, run, submit
+from tests.support.scheduler_driver import Sink, assert_pools_full, make, pipelined, run, submit
 
 
 def test_pipelined_decode_sends_each_step_before_reading_the_last() -> None:
@@ -182,4 +183,54 @@ def test_pipelined_cancellation_waits_for_the_step_in_flight() -> None:
     run(sched)
     assert sink.finish.reason == "cancelled" and 3 <= len(sink.tokens) < 20
     assert ranks.commands[-1] == ("drop", (request.request_id, Expectation.MUST_EXIST, None))
+    assert_pools_full(ranks, sched)
+
+
+REASON = "prompt token id 99 is outside the vocabulary [0, 64) (position 0)"
+
+
+@pipelined
+def test_a_rejected_chunk_fails_its_request_alone_with_its_next_chunk_sent_or_not(pipeline: bool) -> None:
+    _, sched = make()
+    _, alone = submit(sched, [1], max_tokens=10, ignore_eos=True)
+    run(sched)
+    ranks, sched = make(pipeline=pipeline)
+    _, going = submit(sched, [1], max_tokens=10, ignore_eos=True)
+    for _ in range(3):
+        sched.step()
+    rejected, sink = submit(sched, list(range(2, 40)), max_tokens=4)  # three chunks of the budget
+    ranks.rejects[rejected.request_id] = REASON
+    run(sched)
+    assert going.tokens == alone.tokens and going.finish.reason == "length"
+    error = f"request {rejected.request_id} rejected by rank 0 during unified: {REASON}"
+    assert sink.events == [ErrorEvent(error, rejected=True)]
+    chunks = [c for kind, body in ranks.commands if kind == "unified" for c in body[0]]
+    sent = [c.start for c in chunks if c.request_id == rejected.request_id]
+    assert sent == ([0, 15] if pipeline else [0])  # pipelined, the next chunk was on its way
+    assert ("drop", (rejected.request_id, Expectation.MUST_EXIST, None)) in ranks.commands
+    assert_pools_full(ranks, sched)
+
+
+@pipelined
+def test_a_rejected_decode_row_fails_its_request_alone_and_frees_its_slot(pipeline: bool) -> None:
+    _, sched = make()
+    _, first_alone = submit(sched, [4, 5], max_tokens=10, ignore_eos=True)
+    _, second_alone = submit(sched, [7], max_tokens=10, ignore_eos=True)
+    run(sched)
+    ranks, sched = make(pipeline=pipeline)
+    first, first_sink = submit(sched, [4, 5], max_tokens=10, ignore_eos=True)
+    _, second_sink = submit(sched, [7], max_tokens=10, ignore_eos=True)
+    while len(first_sink.tokens) < 3:
+        sched.step()
+    ranks.rejects[first.request_id] = "logit_bias token id 70 is outside the vocabulary [0, 64)"
+    run(sched)
+    assert second_sink.tokens == second_alone.tokens and second_sink.finish.reason == "length"
+    *tokens, error = first_sink.events
+    assert first_sink.tokens == first_alone.tokens[: len(tokens)]
+    assert error == ErrorEvent(
+        f"request {first.request_id} rejected by rank 0 during decode: {ranks.rejects[first.request_id]}",
+        True,
+    )
+    drop = next(body for kind, body in ranks.commands if kind == "drop" and body[0] == first.request_id)
+    assert drop[1] is Expectation.MUST_EXIST and drop[2] is not None  # the other request moved down
     assert_pools_full(ranks, sched)

@@ -11,7 +11,10 @@ read the steps in the order they were sent. A ``FED_TOKEN`` row must follow a de
 request in the same slot, or a prefill whose last chunk named that slot (``feed_slot``), and the
 fake refuses a prefill or a drop while a step is uncollected: the scheduler reads every step in
 flight before it prefills alone or drops. Each reply passes the executor's own check against its
-command (executor.replies), as a real executor's does before the scheduler sees it.
+command (executor.replies), as a real executor's does before the scheduler sees it. The requests
+named in ``rejects`` are rejected by "rank 0" in every command that carries them, as a rank
+rejects a request with a value it cannot serve: their chunks and rows still run, their tokens are
+held back.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from phalanx.protocol.messages import (
     PrefillChunk,
     PrefillDone,
     ReplyEnvelope,
+    RequestRejected,
     SamplingParams,
     TokenResult,
     Unified,
@@ -76,6 +80,7 @@ class FakeRanks:
         self.slot_state: dict[int, _State] = {}
         self.commands: list[tuple[str, object]] = []
         self.fail_on_drop_of: int | None = None
+        self.rejects: dict[int, str] = {}  # request id -> the reason rank 0 rejects it with
         self._fed_from: dict[int, int] = {}  # request id -> slot of the last command's decode rows
         self._uncollected: list[int] = []  # handles of steps not read yet, oldest first
         self._sent = 0  # the last handle given out
@@ -206,10 +211,28 @@ class FakeRanks:
     def _hold(self, command: Command, reply: Reply) -> int:
         self._sent += 1
         handle = self._sent
-        self._results[handle] = (command, reply)
+        self._results[handle] = (command, self._rejecting(command, reply))
         self._uncollected.append(handle)
         self.most_in_flight = max(self.most_in_flight, len(self._uncollected))
         return handle
+
+    def _rejecting(self, command: Command, reply: Reply) -> Reply:
+        """The reply once rank 0 rejects the requests of ``rejects`` that the command carries."""
+        if not isinstance(reply, PrefillDone | DecodeDone | UnifiedDone):
+            return reply
+        chunks = command.chunks if isinstance(command, Prefill) else getattr(command, "prefill", [])
+        rows = command.rows if isinstance(command, Decode) else getattr(command, "decode", [])
+        carried = [chunk.request_id for chunk in chunks] + [row.request_id for row in rows]
+        rejected = [RequestRejected(rid, self.rejects[rid]) for rid in carried if rid in self.rejects]
+
+        def kept(results: list[TokenResult]) -> list[TokenResult]:
+            return [result for result in results if result.request_id not in self.rejects]
+
+        if isinstance(reply, PrefillDone):
+            return PrefillDone(kept(reply.results), reply.prompt_logprobs, rejected)
+        if isinstance(reply, DecodeDone):
+            return DecodeDone(kept(reply.results), rejected)
+        return UnifiedDone(kept(reply.prefill), kept(reply.decode), reply.prompt_logprobs, rejected)
 
     def _prefill_step(self, chunks: list[PrefillChunk]) -> PrefillDone:
         self.commands.append(("prefill", chunks))

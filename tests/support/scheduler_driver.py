@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from phalanx.protocol.messages import Capacity
-from phalanx.scheduler.events import Event, FinishEvent, TokenEvent
+from phalanx.scheduler.events import Event, FinishEvent, TokenEvent, is_final
 from phalanx.scheduler.requests import GenerationParams, Request
 from phalanx.scheduler.scheduler import Scheduler
 from tests.support.fake_ranks import FakeRanks
@@ -32,7 +32,7 @@ class Sink:
         self.events: list[Event] = []
 
     def __call__(self, event: Event) -> None:
-        if self.events and isinstance(self.events[-1], FinishEvent):
+        if self.events and is_final(self.events[-1]):
             raise AssertionError("event after the final event")
         self.events.append(event)
 

@@ -28,8 +28,10 @@ from phalanx.protocol import (
     PrefillDone,
     Ready,
     ReplyEnvelope,
+    RequestRejected,
     SlotMove,
     TokenResult,
+    UnifiedDone,
     encode,
     pack_ids,
 )
@@ -286,12 +288,20 @@ def test_replay_comparison_reports_a_changed_token_and_a_lost_failure() -> None:
         "recorded boom (decode), replayed success"
     )
     assert compare(Outcome(), Outcome(failure="x")) is None  # the recording ends before this step
+    assert compare(Outcome(results=[], rejected=[3]), Outcome(results=same)) == (
+        "recorded rejected requests [3], replayed []"
+    )
 
 
 def test_show_names_a_fed_token() -> None:
     rows = [DecodeRow(3, 0, FED_TOKEN, 9, b""), DecodeRow(4, 1, 17, 2, b"")]
     assert "r3@s0:tok=fed,pos=9" in describe_body(Decode(rows))
     assert "r4@s1:tok=17,pos=2" in describe_body(Decode(rows))
+
+
+def test_show_names_a_rejected_request_and_why() -> None:
+    body = UnifiedDone([], [TokenResult(4, 9)], [], [RequestRejected(3, "grammar does not compile: x")])
+    assert describe_body(body) == " | r4->9 r3 rejected: grammar does not compile: x"
 
 
 def test_show_names_the_slot_a_prefill_chunk_feeds() -> None:

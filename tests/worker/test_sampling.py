@@ -126,6 +126,17 @@ def test_banned_ids_are_out_only_below_their_position() -> None:
     assert tokens(logits, [seeded], [0]) == [0]
 
 
+def test_a_ban_yields_to_a_grammar_that_allows_only_banned_ids() -> None:
+    logits = torch.tensor([[3.0, 0.0, 1.0, 2.0]])
+    allowed = torch.tensor([[False, False, True, False]])
+    for params in (GREEDY, SamplingParams(temperature=1.0, seed=3)):
+        banned = replace(params, banned_ids=[2], banned_until=5)
+        assert [s.token for s in draw_tokens(logits, [banned], [0], allowed=allowed).to_host()] == [2]
+    both = torch.tensor([[False, True, True, False]])
+    kept = SamplingParams(banned_ids=[2], banned_until=5)
+    assert [s.token for s in draw_tokens(logits, [kept], [0], allowed=both).to_host()] == [1]
+
+
 def test_bad_shapes_and_parameters_are_refused() -> None:
     with pytest.raises(ValueError, match=r"sampling got 2 logit rows but 1 parameter sets and 2 positions"):
         sample(torch.zeros(2, 4), [GREEDY], [0, 1])

@@ -2,8 +2,8 @@
 
 The coordinator owns every decision (request ids, pages, slots) and the commands carry them, so a
 recorded command stream replays on a new launch as it is. Each recorded step is replayed through
-the executor's public calls and its outcome (rank 0's tokens and logprobs, or the failure that
-poisoned the replica) is compared with what was recorded. On CPU the tokens are equal.
+the executor's public calls and its outcome (rank 0's tokens and logprobs and the requests it
+rejected, or the failure that poisoned the replica) is compared with what was recorded. On CPU the tokens are equal.
 
 Startup messages (seq 0), the gate's first Ping and the pre-capture sweep are not replayed: the
 new launch runs its own.
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from phalanx.executor.errors import ExecutorError
 from phalanx.executor.gate import FIRST_PING_SEQ
@@ -44,10 +44,12 @@ LOGPROB_TOLERANCE = 1e-4
 
 @dataclass
 class Outcome:
-    """What one step produced: rank 0's token results, or a failure text (None: nothing known)."""
+    """What one step produced: rank 0's token results and the ids of the requests it rejected,
+    or a failure text (None: nothing known)."""
 
     results: list[TokenResult] | None = None
     failure: str | None = None
+    rejected: list[int] = field(default_factory=list)
 
 
 def recorded_capacity(trace: Trace) -> Capacity | None:
@@ -69,6 +71,12 @@ def _results(body: object) -> list[TokenResult] | None:
     return None
 
 
+def _rejected(body: object) -> list[int]:
+    if isinstance(body, PrefillDone | DecodeDone | UnifiedDone):
+        return [entry.request_id for entry in body.rejected]
+    return []
+
+
 def recorded_outcome(step: Step) -> Outcome:
     """The first Failed any rank sent, else rank 0's payload; nothing when rank 0 never replied."""
     for replies in step.replies.values():
@@ -77,7 +85,7 @@ def recorded_outcome(step: Step) -> Outcome:
                 return Outcome(failure=f"{reply.message} ({reply.phase})")
     for reply in step.replies.get(0, []):
         results = _results(reply)
-        return Outcome(results=[] if results is None else results)
+        return Outcome(results=[] if results is None else results, rejected=_rejected(reply))
     return Outcome()
 
 
@@ -88,7 +96,7 @@ def execute(ex: Executor, command: object) -> Outcome:
         reply = ex.call(command)
     except ExecutorError as exc:
         return Outcome(failure=str(exc))
-    return Outcome(results=_results(reply) or [])
+    return Outcome(results=_results(reply) or [], rejected=_rejected(reply))
 
 
 def _same_results(a: list[TokenResult], b: list[TokenResult]) -> bool:
@@ -112,6 +120,8 @@ def compare(recorded: Outcome, replayed: Outcome) -> str | None:
         return f"recorded {recorded.failure or 'success'}, replayed {replayed.failure or 'success'}"
     if recorded.failure is not None:
         return None  # both failed: the failure reproduces (texts name seqs that may differ)
+    if recorded.rejected != replayed.rejected:
+        return f"recorded rejected requests {recorded.rejected}, replayed {replayed.rejected}"
     if not _same_results(recorded.results or [], replayed.results or []):
         before = describe_body(DecodeDone(recorded.results or []))
         after = describe_body(DecodeDone(replayed.results or []))

@@ -22,6 +22,7 @@ from phalanx.protocol.messages import (
     PrefillDone,
     Ready,
     Refused,
+    RequestRejected,
     TokenResult,
     Unified,
     UnifiedDone,
@@ -53,6 +54,10 @@ def _result(t: TokenResult) -> str:
     return f"r{t.request_id}->{t.token}" + (f"({t.logprob:.3f})" if t.logprob is not None else "")
 
 
+def _rejected(rejected: list[RequestRejected]) -> str:
+    return "".join(f" r{entry.request_id} rejected: {entry.reason}" for entry in rejected)
+
+
 def describe_body(body: object) -> str:
     """A short readable summary of a command or reply body."""
     match body:
@@ -80,10 +85,11 @@ def describe_body(body: object) -> str:
             return f"nonce={nonce.hex()}"
         case Ready(capacity=cap, device=device, pid=pid, host=host):
             return f"{device} pid={pid}@{host} kv_pages={cap.kv_pages} slots={cap.max_slots}"
-        case PrefillDone(results=results) | DecodeDone(results=results):
-            return _items([_result(t) for t in results])
-        case UnifiedDone(prefill=first, decode=rest):
-            return _items([_result(t) for t in first]) + " | " + _items([_result(t) for t in rest])
+        case PrefillDone(results=results, rejected=rejected) | DecodeDone(results=results, rejected=rejected):
+            return _items([_result(t) for t in results]) + _rejected(rejected)
+        case UnifiedDone(prefill=first, decode=rest, rejected=rejected):
+            both = _items([_result(t) for t in first]) + " | " + _items([_result(t) for t in rest])
+            return both + _rejected(rejected)
         case DropAck(existed=existed):
             return f"existed={existed}"
         case Failed(kind=kind, message=message, phase=phase):
