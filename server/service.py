@@ -24,6 +24,7 @@ from phalanx.server.structured import (
     tool_call_grammar,
     tool_names,
 )
+from phalanx.server.xml_call_grammar import xml_tool_call_grammar
 
 
 @dataclass
@@ -63,7 +64,8 @@ class ServerState:
             raise bad_request(
                 f"n is {body.n}, but this server runs at most {slots} sequences at once", param="n"
             )
-        grammar = output_grammar(body, self.grammar_check)
+        xml_calls = self.template is not None and self.template.writes_xml_calls
+        grammar = output_grammar(body, self.grammar_check, xml_calls)
         choices: list[Choice] = []
         try:
             for p, prompt_ids in enumerate(prompts):
@@ -171,10 +173,12 @@ class ServerState:
             raise unavailable(str(e)) from e
 
 
-def output_grammar(body: SamplingRequest, check: GrammarCheck) -> str | None:
-    """The grammar the request's output must follow: a tool call its tool_choice demands, or its
-    response format or guided decoding; None when nothing constrains it."""
+def output_grammar(body: SamplingRequest, check: GrammarCheck, xml_calls: bool) -> str | None:
+    """The grammar the request's output must follow: a tool call its tool_choice demands (in the
+    XML form with ``xml_calls``, else the JSON form), or its response format or guided decoding;
+    None when nothing constrains it."""
     if isinstance(body, ChatCompletionRequest) and body.tools:
+        call_grammar = xml_tool_call_grammar if xml_calls else tool_call_grammar
         names = tool_names(body.tools)
         choice = body.tool_choice
         if isinstance(choice, dict):
@@ -184,9 +188,9 @@ def output_grammar(body: SamplingRequest, check: GrammarCheck) -> str | None:
                     f"tool_choice: no tool named {name!r} among the tools offered ({', '.join(names)})",
                     param="tool_choice",
                 )
-            return tool_call_grammar(body.tools, [name], check)
+            return call_grammar(body.tools, [name], check)
         if choice == "required":
-            return tool_call_grammar(body.tools, names, check)
+            return call_grammar(body.tools, names, check)
     if body.response_format is not None:
         return response_format_grammar(body.response_format, check)
     return guided_grammar(body.guided_json, body.guided_regex, body.guided_choice, check)
