@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from phalanx.server.choices import Choice, response, stream
-from phalanx.server.errors import ApiError, error_body
+from phalanx.server.errors import ApiError, bad_request, error_body
 from phalanx.server.generation import GenerationError
 from phalanx.server.openai_format import (
     ChatFormat,
@@ -80,6 +80,10 @@ async def model(model_id: str, request: Request) -> dict[str, Any]:
 async def completions(body: CompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
     state = _state(request)
     state.check_model(body.model)
+    if body.max_tokens == 0 and not body.echo:  # nothing generated and nothing echoed
+        raise bad_request(
+            "max_tokens: 0 is accepted only with echo (the answer is the prompt)", param="max_tokens"
+        )
     # tokenizing (a long prompt, many prompts) runs off the event loop: other streams go on
     prompts = await run_in_threadpool(
         lambda: [state.completion_prompt_ids(prompt) for prompt in body.prompts]
