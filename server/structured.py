@@ -43,7 +43,7 @@ class GrammarCheck:
         return grammar
 
 
-def _json_schema_grammar(schema: Any, field: str, check: GrammarCheck) -> str:
+def json_schema_grammar(schema: Any, field: str, check: GrammarCheck) -> str:
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
@@ -63,14 +63,14 @@ def response_format_grammar(response_format: dict[str, Any], check: GrammarCheck
     if kind == "text":
         return None
     if kind == "json_object":
-        return _json_schema_grammar({"type": "object"}, "response_format", check)
+        return json_schema_grammar({"type": "object"}, "response_format", check)
     if kind == "json_schema":
         spec = response_format.get("json_schema")
         if not isinstance(spec, dict) or "schema" not in spec:
             raise bad_request(
                 "response_format: json_schema needs a json_schema.schema", param="response_format"
             )
-        return _json_schema_grammar(spec["schema"], "response_format", check)
+        return json_schema_grammar(spec["schema"], "response_format", check)
     raise bad_request(
         f"response_format: type must be text, json_object or json_schema, got {kind!r}",
         param="response_format",
@@ -81,7 +81,7 @@ def guided_grammar(
     guided_json: Any, guided_regex: str | None, guided_choice: list[str] | None, check: GrammarCheck
 ) -> str | None:
     if guided_json is not None:
-        return _json_schema_grammar(guided_json, "guided_json", check)
+        return json_schema_grammar(guided_json, "guided_json", check)
     if guided_regex is not None:
         return check(llguidance.LLMatcher.grammar_from_regex(guided_regex), "guided_regex")
     if guided_choice is not None:

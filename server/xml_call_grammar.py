@@ -23,7 +23,13 @@ import json
 from typing import Any
 
 from phalanx.server.errors import bad_request
-from phalanx.server.structured import JSON_OPTIONS, TOOL_CALL_CLOSE, TOOL_CALL_OPEN, GrammarCheck
+from phalanx.server.structured import (
+    JSON_OPTIONS,
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+    GrammarCheck,
+    json_schema_grammar,
+)
 from phalanx.server.tool_call_xml import FUNCTION_CLOSE, FUNCTION_OPEN, PARAMETER_CLOSE, PARAMETER_OPEN
 
 # text without the closing tag, then the tag: one terminal (llguidance's lexer is greedy, so a
@@ -37,6 +43,11 @@ def _literal(text: str) -> str:
     return json.dumps(text)
 
 
+NEWLINE = _literal("\n")
+TAG_END = ">\n"
+CLOSE_VALUE = _literal("\n" + PARAMETER_CLOSE)  # what ends a value that is not raw text
+
+
 def _is_text(spec: dict[str, Any]) -> bool:
     """Whether the parser keeps this property's value as text (``tool_call_xml.XmlCall._typed``)."""
     kind = spec.get("type")
@@ -46,16 +57,15 @@ def _is_text(spec: dict[str, Any]) -> bool:
 def _text_value(spec: dict[str, Any]) -> str:
     """Raw text, or one of the fixed strings the schema allows, each closed by its tag."""
     choices = [spec["const"]] if "const" in spec else spec.get("enum")
-    close = _literal("\n" + PARAMETER_CLOSE)
     if isinstance(choices, list) and choices and all(isinstance(c, str) for c in choices):
-        return "(" + " | ".join(_literal(c) for c in choices) + f") {close}"
+        return "(" + " | ".join(_literal(c) for c in choices) + f") {CLOSE_VALUE}"
     return "RAW_VALUE"
 
 
 def _json_value(spec: dict[str, Any], definitions: dict[str, Any]) -> str:
     # definitions travel with the property so that its "#/$defs/..." references still resolve
     schema = {**spec, **definitions, "x-guidance": JSON_OPTIONS}
-    return f"%json {json.dumps(schema)} {_literal(chr(10) + PARAMETER_CLOSE)}"
+    return f"%json {json.dumps(schema)} {CLOSE_VALUE}"
 
 
 def _checked_name(name: str, what: str) -> str:
@@ -68,7 +78,7 @@ def _checked_name(name: str, what: str) -> str:
     return name
 
 
-def _call_rules(rule: str, function: dict[str, Any]) -> list[str]:
+def _call_rules(rule: str, function: dict[str, Any], check: GrammarCheck) -> list[str]:
     """The rules of one tool's call: ``rule`` and its parameters' rules."""
     name = _checked_name(function["name"], "the tool name")
     parameters = function.get("parameters") or {}
@@ -78,19 +88,19 @@ def _call_rules(rule: str, function: dict[str, Any]) -> list[str]:
             f"tools: the parameters of {name!r} are not a JSON schema object with object properties",
             param="tools",
         )
+    json_schema_grammar(parameters, "tools", check)  # a malformed schema is a 400, as in the JSON form
     required = set(parameters.get("required") or ())
     definitions = {key: parameters[key] for key in ("$defs", "definitions") if key in parameters}
-    head = _literal(f"{FUNCTION_OPEN}{name}>\n")
-    tail = _literal(f"{FUNCTION_CLOSE}\n")
+    head, tail = _literal(FUNCTION_OPEN + name + TAG_END), _literal(FUNCTION_CLOSE + "\n")
     if not properties and parameters.get("additionalProperties") is not False:
-        any_parameter = f"{_literal(PARAMETER_OPEN)} {ANY_KEY} {_literal('>' + chr(10))} RAW_VALUE"
-        return [f"{rule}: {head} ({rule}_any)* {tail}", f"{rule}_any: {any_parameter} {_literal(chr(10))}"]
+        any_key = f"{_literal(PARAMETER_OPEN)} {ANY_KEY} {_literal(TAG_END)}"
+        return [f"{rule}: {head} {rule}_any* {tail}", f"{rule}_any: {any_key} RAW_VALUE {NEWLINE}"]
     rules, body = [], []
     for index, (key, spec) in enumerate(properties.items()):
         spec = spec if isinstance(spec, dict) else {}
-        opening = _literal(f"{PARAMETER_OPEN}{_checked_name(key, 'the parameter name')}>\n")
+        opening = _literal(PARAMETER_OPEN + _checked_name(key, "the parameter name") + TAG_END)
         value = _text_value(spec) if _is_text(spec) else _json_value(spec, definitions)
-        rules.append(f"{rule}_{index}: {opening} {value} {_literal(chr(10))}")
+        rules.append(f"{rule}_{index}: {opening} {value} {NEWLINE}")
         body.append(f"{rule}_{index}" + ("" if key in required else "?"))
     return [f"{rule}: {head} {' '.join(body)} {tail}", *rules]
 
@@ -100,7 +110,8 @@ def xml_tool_call_grammar(tools: list[dict[str, Any]], names: list[str], check: 
     offered = [tool["function"] for tool in tools if tool["function"]["name"] in names]
     rules: list[str] = []
     for index, function in enumerate(offered):
-        rules += _call_rules(f"call_{index}", function)
+        rules += _call_rules(f"call_{index}", function, check)
     calls = " | ".join(f"call_{index}" for index in range(len(offered)))
-    start = f"start: {_literal(TOOL_CALL_OPEN + chr(10))} ({calls}) {_literal(TOOL_CALL_CLOSE)}"
+    block_open = _literal(TOOL_CALL_OPEN + "\n")
+    start = f"start: {block_open} ({calls}) {_literal(TOOL_CALL_CLOSE)}"
     return check("\n".join([start, *rules, f"RAW_VALUE: {RAW_VALUE}"]) + "\n", "tools")

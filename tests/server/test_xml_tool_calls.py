@@ -117,15 +117,28 @@ def test_a_tool_without_properties_takes_any_parameters_as_text(check: GrammarCh
     assert _accepts(check, only_log, bare) and not _accepts(check, only_log, CALL)
 
 
-def test_a_parameter_the_form_cannot_write_is_a_400(check: GrammarCheck) -> None:
-    tool = {"type": "function", "function": {"name": "f", "parameters": {"properties": {"a>b": {}}}}}
+@pytest.mark.parametrize(
+    ("parameters", "message"),
+    [
+        (
+            {"properties": {"a>b": {}}},
+            "tools: the parameter name 'a>b' cannot be written in the model's XML tool-call form"
+            " (no '<', '>' or newline)",
+        ),
+        ("x", "tools: the parameters of 'f' are not a JSON schema object with object properties"),
+        (
+            {"properties": [1]},
+            "tools: the parameters of 'f' are not a JSON schema object with object properties",
+        ),
+    ],
+)
+def test_parameters_the_form_cannot_write_are_a_400(
+    check: GrammarCheck, parameters: Any, message: str
+) -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
     with pytest.raises(ApiError) as raised:
         xml_tool_call_grammar([tool], ["f"], check)
-    assert (raised.value.status, raised.value.param) == (400, "tools")
-    assert raised.value.message == (
-        "tools: the parameter name 'a>b' cannot be written in the model's XML tool-call form"
-        " (no '<', '>' or newline)"
-    )
+    assert (raised.value.status, raised.value.param, raised.value.message) == (400, "tools", message)
 
 
 @pytest.fixture(scope="module")
