@@ -5,6 +5,9 @@ OpenAI's ``response_format`` (``json_object``, ``json_schema``), vLLM's ``guided
 (``required`` or a named function: one Qwen-style ``<tool_call>`` block whose JSON names an offered
 tool and follows its parameters). Rank 0 masks every token the grammar does not allow
 (``worker/grammar.py``). A grammar that does not compile is a 400 naming the field it came from.
+When the prompt opens the model's reasoning, the constraint holds from the reasoning's end on,
+as vLLM applies it behind a reasoning parser: free text up to ``</think>``, the blank line the
+template writes after it, then the constrained output.
 """
 
 from __future__ import annotations
@@ -17,11 +20,25 @@ from typing import Any
 import llguidance
 
 from phalanx.server.errors import bad_request
+from phalanx.server.reasoning import THINK_END
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
 # compact JSON: free whitespace would let a model pad its reply with blank lines until max_tokens
 JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
+
+
+def _lark_regex(text: str) -> str:
+    """``text`` matched literally inside a Lark ``/regex/``."""
+    return re.escape(text).replace("/", "\\/")
+
+
+def text_up_to(tag: str, lead: str = "") -> str:
+    """A Lark terminal: any text up to the first ``tag`` (which the regex ``lead`` must precede),
+    the tag included. One terminal, since llguidance's lexer is greedy: a terminal of the text
+    alone would read on past the tag. The ``&`` and ``~`` operators are llguidance's own."""
+    escaped = _lark_regex(tag)
+    return f"/(?s:.*){lead}{escaped}/ & ~/(?s:.*){escaped}(?s:.+)/"
 
 
 class GrammarCheck:
@@ -34,13 +51,23 @@ class GrammarCheck:
         self._tokenizer: llguidance.LLTokenizer | None = None
 
     def __call__(self, grammar: str, field: str) -> str:
-        if self._tokenizer is None:
-            json_text = self._tokenizer_file.read_text(encoding="utf-8")
-            self._tokenizer = llguidance.LLTokenizer(json_text, n_vocab=self._vocab_size, eos_token=self._eos)
-        error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer)
+        error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
         if error:
             raise bad_request(f"{field}: {error.strip()}", param=field)
         return grammar
+
+    @property
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        if self._tokenizer is None:
+            json_text = self._tokenizer_file.read_text(encoding="utf-8")
+            self._tokenizer = llguidance.LLTokenizer(json_text, n_vocab=self._vocab_size, eos_token=self._eos)
+        return self._tokenizer
+
+    def special_token(self, text: str) -> int | None:
+        """The id of the special token that is ``text``, if the vocabulary has one (a grammar
+        matches a special token only by its id, never by its text)."""
+        ids = self.tokenizer.tokenize_str(text)
+        return ids[0] if len(ids) == 1 and self.tokenizer.is_special_token(ids[0]) else None
 
 
 def json_schema_grammar(schema: Any, field: str, check: GrammarCheck) -> str:
@@ -126,3 +153,23 @@ def tool_call_grammar(tools: list[dict[str, Any]], names: list[str], check: Gram
     return check(
         llguidance.LLMatcher.grammar_from_lark(lark + f"call: %json {json.dumps(schema)}\n"), "tools"
     )
+
+
+def after_reasoning(grammar: str, field: str, check: GrammarCheck) -> str:
+    """``grammar`` behind the reasoning: any text up to ``</think>`` (as text, or as the special
+    token when the vocabulary has one), a blank line, then the output ``grammar`` allows (held in
+    the same top-level grammar, which names it)."""
+    inner = (
+        json.loads(grammar) if grammar.lstrip().startswith("{") else {"grammars": [{"lark_grammar": grammar}]}
+    )
+    first = inner["grammars"][0]
+    first["name"] = first.get("name") or "constrained"
+    rules = [f'start: reasoning "\\n\\n" @{first["name"]}', f"REASONING: {text_up_to(THINK_END)}"]
+    special = check.special_token(THINK_END)
+    if special is None:
+        rules.append("reasoning: REASONING")
+    else:  # text that never holds the tag, then the tag's token
+        rules.append(f"reasoning: REASONING | THOUGHTS <[{special}]>")
+        rules.append(f"THOUGHTS: /(?s:.*)/ & ~/(?s:.*){_lark_regex(THINK_END)}(?s:.*)/")
+    top = {"grammars": [{"name": "reasoning", "lark_grammar": "\n".join(rules) + "\n"}, *inner["grammars"]]}
+    return check(json.dumps(top), field)

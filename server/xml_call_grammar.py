@@ -29,12 +29,11 @@ from phalanx.server.structured import (
     TOOL_CALL_OPEN,
     GrammarCheck,
     json_schema_grammar,
+    text_up_to,
 )
 from phalanx.server.tool_call_xml import FUNCTION_CLOSE, FUNCTION_OPEN, PARAMETER_CLOSE, PARAMETER_OPEN
 
-# text without the closing tag, then the tag: one terminal (llguidance's lexer is greedy, so a
-# terminal of the text alone would read on past the tag); Lark's & and ~ are llguidance's own
-RAW_VALUE = "/(?s:.*)\\n<\\/parameter>/ & ~/(?s:.*)<\\/parameter>(?s:.+)/"
+RAW_VALUE = text_up_to(PARAMETER_CLOSE, lead="\\n")  # a text value: no tag inside, a newline before it
 ANY_KEY = "/[^<>\\n]+/"  # a parameter name the parser can read back
 _NOT_IN_NAMES = "<>\n"
 

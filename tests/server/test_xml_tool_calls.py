@@ -1,7 +1,8 @@
 """A demanded tool call in the form the chat template uses: with a Qwen3.5-style template (calls as
 ``<function=NAME>`` XML) the grammar is the XML form's, checked here on sample strings with
 llguidance's own matcher, and a live ``phalanx serve`` (TP 2, CPU, tiny random model) answers
-``tool_choice: required`` and a named function with parsed ``tool_calls``, whole and streamed."""
+``tool_choice: required`` and a named function with parsed ``tool_calls``, whole and streamed,
+also when the prompt opens the model's reasoning (the call then follows ``</think>``)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ import pytest
 
 from phalanx.models.tiny import CHAT_TEMPLATE
 from phalanx.server.chat_template import ChatTemplate
+from phalanx.server.detokenizer import TextTokenizer
 from phalanx.server.errors import ApiError
-from phalanx.server.structured import GrammarCheck
+from phalanx.server.structured import GrammarCheck, after_reasoning, response_format_grammar
 from phalanx.server.xml_call_grammar import xml_tool_call_grammar
 from tests.support.live_server import MODEL_NAME, live_server
 
@@ -38,7 +40,8 @@ QWEN35_LIKE = (
     "{%- endfor %}{{- '</function>\\n</tool_call>' }}{%- endfor %}"
     "{{- '<|im_end|>\\n' }}"
     "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking %}{{- '<think>\\n' }}{%- endif %}{%- endif %}"
 )
 BOUNDED = {  # values a random model cannot draw out past max_tokens
     "city": {"type": "string", "enum": ["Paris", "London"]},
@@ -70,11 +73,10 @@ def check(tiny_model_dir: Path) -> GrammarCheck:
     return GrammarCheck(tiny_model_dir, 512, (2,))
 
 
-def _accepts(check: GrammarCheck, grammar: str, text: str) -> bool:
-    tokenizer = check._tokenizer
-    assert tokenizer is not None  # the grammar was checked, which built it
-    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
-    return all(matcher.consume_token(t) for t in tokenizer.tokenize_str(text)) and matcher.is_accepting()
+def _accepts(check: GrammarCheck, grammar: str, text: str | list[int]) -> bool:
+    ids = check.tokenizer.tokenize_str(text) if isinstance(text, str) else text
+    matcher = llguidance.LLMatcher(check.tokenizer, grammar, log_level=0)
+    return all(matcher.consume_token(t) for t in ids) and matcher.is_accepting()
 
 
 def test_the_template_decides_the_form() -> None:
@@ -141,6 +143,22 @@ def test_parameters_the_form_cannot_write_are_a_400(
     assert (raised.value.status, raised.value.param, raised.value.message) == (400, "tools", message)
 
 
+def test_behind_reasoning_the_constraint_holds_from_its_end_on(check: GrammarCheck) -> None:
+    calls = after_reasoning(xml_tool_call_grammar([NOTED], ["get_weather"], check), "tools", check)
+    think_end = check.special_token("</think>")  # the tiny vocabulary has it as a special token
+    assert think_end is not None
+    assert _accepts(check, calls, "Paris, I think. </thin\n</think>\n\n" + CALL)  # the tag as text
+    thoughts, rest = check.tokenizer.tokenize_str("hmm"), check.tokenizer.tokenize_str("\n\n" + CALL)
+    assert _accepts(check, calls, [*thoughts, think_end, *rest])  # or as its token
+    assert not _accepts(check, calls, CALL)  # the reasoning must end first
+    assert not _accepts(check, calls, "hmm</think>\n\n<tool_call>\n<function=get_time>")
+    json_object = after_reasoning(
+        response_format_grammar({"type": "json_object"}, check), "response_format", check
+    )
+    assert _accepts(check, json_object, 'x</think>\n\n{"a":1}')
+    assert not _accepts(check, json_object, "x</think>\n\nno")
+
+
 @pytest.fixture(scope="module")
 def client(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
     root = tmp_path_factory.mktemp("xml_tools_server")
@@ -197,3 +215,22 @@ def test_a_demanded_call_streams_as_delta_tool_calls(client: openai.OpenAI, tool
         assert json.loads(arguments)["zone"] in ("UTC", "CET")
     else:
         _check_weather(name, arguments)
+
+
+def test_a_demanded_call_follows_the_reasoning(client: openai.OpenAI, tiny_model_dir: Path) -> None:
+    """The prompt ends in ``<think>``; the tiny model is pushed to end its reasoning at once."""
+    think_end = TextTokenizer.from_model_dir(tiny_model_dir).encode("</think>", add_special_tokens=False)
+    out = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=ASK,
+        max_tokens=200,
+        tools=[WEATHER],
+        tool_choice="required",
+        logit_bias={str(think_end[0]): 100},
+        extra_body={"chat_template_kwargs": {"enable_thinking": True}},
+    )
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls
+    _check_weather(call.function.name, call.function.arguments)
+    assert not choice.message.content
