@@ -50,10 +50,14 @@ class DoubleExecutor(FakeRanks):
         return True
 
 
+def _engine(pipeline: bool = False) -> Engine:
+    executor = DoubleExecutor(Capacity(kv_pages=16, page_size=4, max_slots=4, max_batch_tokens=8))
+    return Engine(executor, "/models/fake-model", idle_ping_interval=0.05, pipeline=pipeline)
+
+
 @pytest.fixture
 def engine():
-    executor = DoubleExecutor(Capacity(kv_pages=16, page_size=4, max_slots=4, max_batch_tokens=8))
-    engine = Engine(executor, "/models/fake-model", idle_ping_interval=0.05)
+    engine = _engine()
     yield engine
     engine.shutdown()
 
@@ -100,7 +104,15 @@ def _idle(engine: Engine) -> None:
     assert (engine.stats().kv_pages_used, engine.stats().slots_used) == (0, 0)
 
 
-def test_a_prompt_only_request_generates_nothing_and_frees_what_it_held(engine: Engine) -> None:
+@pytest.fixture(params=[False, True], ids=["plain", "pipelined"])
+def either_engine(request: pytest.FixtureRequest):
+    engine = _engine(pipeline=request.param)
+    yield engine
+    engine.shutdown()
+
+
+def test_a_prompt_only_request_generates_nothing_and_frees_what_it_held(either_engine: Engine) -> None:
+    engine = either_engine
     # a prompt whose one sampled token is the end of sequence: still "length", still no token
     eos_prompt = next(
         [k] for k in range(64) if fake_token([k], GenerationParams(max_tokens=1).sampling(1, (63,)), 64) == 63
