@@ -31,10 +31,17 @@ from phalanx.server.structured import (
     json_schema_grammar,
     text_up_to,
 )
-from phalanx.server.tool_call_xml import FUNCTION_CLOSE, FUNCTION_OPEN, PARAMETER_CLOSE, PARAMETER_OPEN
+from phalanx.server.tool_call_xml import (
+    FUNCTION_CLOSE,
+    FUNCTION_OPEN,
+    MAX_TAG,
+    PARAMETER_CLOSE,
+    PARAMETER_OPEN,
+)
 
 RAW_VALUE = text_up_to(PARAMETER_CLOSE, lead="\\n")  # a text value: no tag inside, a newline before it
-ANY_KEY = "/[^<>\\n]+/"  # a parameter name the parser can read back
+# a parameter name the parser can read back (its tag within MAX_TAG characters)
+ANY_KEY = f"/[^<>\\n]{{1,{MAX_TAG - len(PARAMETER_OPEN) - 1}}}/"
 _NOT_IN_NAMES = "<>\n"
 
 
@@ -43,7 +50,7 @@ def _literal(text: str) -> str:
 
 
 NEWLINE = _literal("\n")
-TAG_END = ">\n"
+KEY_END = _literal(">\n")
 CLOSE_VALUE = _literal("\n" + PARAMETER_CLOSE)  # what ends a value that is not raw text
 
 
@@ -67,19 +74,22 @@ def _json_value(spec: dict[str, Any], definitions: dict[str, Any]) -> str:
     return f"%json {json.dumps(schema)} {CLOSE_VALUE}"
 
 
-def _checked_name(name: str, what: str) -> str:
-    if any(char in name for char in _NOT_IN_NAMES):
+def _tag(opening: str, name: str, what: str) -> str:
+    """``opening`` + ``name`` + ``>``, refused when the parser could not read it back."""
+    tag = f"{opening}{name}>"
+    if any(char in name for char in _NOT_IN_NAMES) or len(tag) > MAX_TAG:
         raise bad_request(
-            f"tools: {what} {name!r} cannot be written in the model's XML tool-call form"
-            " (no '<', '>' or newline)",
+            f"tools: {what} {name[:64]!r} cannot be written in the model's XML tool-call form"
+            f" (no '<', '>' or newline, a tag of at most {MAX_TAG} characters)",
             param="tools",
         )
-    return name
+    return tag
 
 
 def _call_rules(rule: str, function: dict[str, Any], check: GrammarCheck) -> list[str]:
     """The rules of one tool's call: ``rule`` and its parameters' rules."""
-    name = _checked_name(function["name"], "the tool name")
+    name = function["name"]
+    head = _literal(_tag(FUNCTION_OPEN, name, "the tool name") + "\n")
     parameters = function.get("parameters") or {}
     properties = parameters.get("properties") or {} if isinstance(parameters, dict) else None
     if not isinstance(properties, dict):
@@ -90,14 +100,14 @@ def _call_rules(rule: str, function: dict[str, Any], check: GrammarCheck) -> lis
     json_schema_grammar(parameters, "tools", check)  # a malformed schema is a 400, as in the JSON form
     required = set(parameters.get("required") or ())
     definitions = {key: parameters[key] for key in ("$defs", "definitions") if key in parameters}
-    head, tail = _literal(FUNCTION_OPEN + name + TAG_END), _literal(FUNCTION_CLOSE + "\n")
+    tail = _literal(FUNCTION_CLOSE + "\n")
     if not properties and parameters.get("additionalProperties") is not False:
-        any_key = f"{_literal(PARAMETER_OPEN)} {ANY_KEY} {_literal(TAG_END)}"
+        any_key = f"{_literal(PARAMETER_OPEN)} {ANY_KEY} {KEY_END}"
         return [f"{rule}: {head} {rule}_any* {tail}", f"{rule}_any: {any_key} RAW_VALUE {NEWLINE}"]
     rules, body = [], []
     for index, (key, spec) in enumerate(properties.items()):
         spec = spec if isinstance(spec, dict) else {}
-        opening = _literal(PARAMETER_OPEN + _checked_name(key, "the parameter name") + TAG_END)
+        opening = _literal(_tag(PARAMETER_OPEN, key, "the parameter name") + "\n")
         value = _text_value(spec) if _is_text(spec) else _json_value(spec, definitions)
         rules.append(f"{rule}_{index}: {opening} {value} {NEWLINE}")
         body.append(f"{rule}_{index}" + ("" if key in required else "?"))

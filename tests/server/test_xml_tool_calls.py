@@ -125,7 +125,12 @@ def test_a_tool_without_properties_takes_any_parameters_as_text(check: GrammarCh
         (
             {"properties": {"a>b": {}}},
             "tools: the parameter name 'a>b' cannot be written in the model's XML tool-call form"
-            " (no '<', '>' or newline)",
+            " (no '<', '>' or newline, a tag of at most 1024 characters)",
+        ),
+        (
+            {"properties": {"k" * 1013: {}}},
+            f"tools: the parameter name {'k' * 64!r} cannot be written in the model's XML tool-call"
+            " form (no '<', '>' or newline, a tag of at most 1024 characters)",
         ),
         ("x", "tools: the parameters of 'f' are not a JSON schema object with object properties"),
         (
