@@ -20,6 +20,7 @@ from phalanx.server.chat_template import ChatTemplate
 from phalanx.server.detokenizer import TextTokenizer
 from phalanx.server.errors import ApiError
 from phalanx.server.structured import GrammarCheck, after_reasoning, response_format_grammar
+from phalanx.server.tool_calls import ToolCallParser
 from phalanx.server.xml_call_grammar import xml_tool_call_grammar
 from tests.support.live_server import MODEL_NAME, live_server
 
@@ -105,6 +106,13 @@ def test_the_xml_grammar_accepts_only_a_well_formed_call(
 ) -> None:
     grammar = xml_tool_call_grammar([NOTED, TIME], ["get_weather"], check)
     assert _accepts(check, grammar, text) is accepted
+
+
+def test_what_the_grammar_accepts_the_parser_reads_as_typed_arguments() -> None:
+    content, deltas = ToolCallParser(tools=[NOTED]).push(CALL, end=True)
+    assert content == "" and [d["function"]["name"] for d in deltas if "id" in d] == ["get_weather"]
+    arguments = json.loads("".join(d["function"]["arguments"] for d in deltas))
+    assert arguments == {"city": "Paris", "days": 3, "sunny": True, "note": "two\nlines </para"}
 
 
 def test_a_tool_without_properties_takes_any_parameters_as_text(check: GrammarCheck) -> None:
