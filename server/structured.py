@@ -69,6 +69,12 @@ class GrammarCheck:
         ids = self.tokenizer.tokenize_str(text)
         return ids[0] if len(ids) == 1 and self.tokenizer.is_special_token(ids[0]) else None
 
+    def tag(self, text: str) -> str:
+        """A Lark item for a tag such as ``<tool_call>``: its text, or its special token where the
+        vocabulary has one (so the model may write it as it was trained to)."""
+        special = self.special_token(text)
+        return json.dumps(text) if special is None else f"({json.dumps(text)} | <[{special}]>)"
+
 
 def json_schema_grammar(schema: Any, field: str, check: GrammarCheck) -> str:
     if isinstance(schema, str):
@@ -149,7 +155,7 @@ def tool_call_grammar(tools: list[dict[str, Any]], names: list[str], check: Gram
         if tool["function"]["name"] in names
     ]
     schema = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": JSON_OPTIONS}
-    lark = f"start: {json.dumps(TOOL_CALL_OPEN + chr(10))} call {json.dumps(chr(10) + TOOL_CALL_CLOSE)}\n"
+    lark = f'start: {check.tag(TOOL_CALL_OPEN)} "\\n" call "\\n" {check.tag(TOOL_CALL_CLOSE)}\n'
     return check(
         llguidance.LLMatcher.grammar_from_lark(lark + f"call: %json {json.dumps(schema)}\n"), "tools"
     )

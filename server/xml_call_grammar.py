@@ -121,6 +121,5 @@ def xml_tool_call_grammar(tools: list[dict[str, Any]], names: list[str], check: 
     for index, function in enumerate(offered):
         rules += _call_rules(f"call_{index}", function, check)
     calls = " | ".join(f"call_{index}" for index in range(len(offered)))
-    block_open = _literal(TOOL_CALL_OPEN + "\n")
-    start = f"start: {block_open} ({calls}) {_literal(TOOL_CALL_CLOSE)}"
+    start = f"start: {check.tag(TOOL_CALL_OPEN)} {NEWLINE} ({calls}) {check.tag(TOOL_CALL_CLOSE)}"
     return check("\n".join([start, *rules, f"RAW_VALUE: {RAW_VALUE}"]) + "\n", "tools")

@@ -159,7 +159,11 @@ def test_parameters_the_form_cannot_write_are_a_400(
 def test_behind_reasoning_the_constraint_holds_from_its_end_on(check: GrammarCheck) -> None:
     calls = after_reasoning(xml_tool_call_grammar([NOTED], ["get_weather"], check), "tools", check)
     think_end = check.special_token("</think>")  # the tiny vocabulary has it as a special token
-    assert think_end is not None
+    assert think_end is not None and check.special_token("<tool_call>") is None
+    assert (check.tag("</think>"), check.tag("<tool_call>")) == (
+        f'("</think>" | <[{think_end}]>)',
+        '"<tool_call>"',
+    )
     assert _accepts(check, calls, "Paris, I think. </thin\n</think>\n\n" + CALL)  # the tag as text
     thoughts, rest = check.tokenizer.tokenize_str("hmm"), check.tokenizer.tokenize_str("\n\n" + CALL)
     assert _accepts(check, calls, [*thoughts, think_end, *rest])  # or as its token
