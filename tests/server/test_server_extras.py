@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from phalanx.server.detokenizer import TextTokenizer
-from tests.support.live_server import MODEL_NAME, live_server, wait_for_metric
+from tests.support.live_server import MODEL_NAME, live_server, metric, wait_for_metric
 
 
 @pytest.fixture(scope="module")
@@ -314,9 +314,11 @@ def test_bad_prompt_options_get_400(base_url: str, body: dict, message: str) -> 
 def test_echo_with_max_tokens_0_is_the_prompt_alone(
     client: openai.OpenAI, base_url: str, reference_logprobs: torch.Tensor
 ) -> None:
+    prompt_tokens = metric(base_url, "phalanx_prompt_tokens_total")
     whole = client.completions.create(
         model=MODEL_NAME, prompt=LONG_PROMPT, max_tokens=0, logprobs=2, echo=True
     )
+    assert metric(base_url, "phalanx_prompt_tokens_total") == prompt_tokens + len(LONG_PROMPT)
     choice = whole.choices[0]
     assert (choice.finish_reason, whole.usage.completion_tokens) == ("length", 0)
     assert whole.usage.prompt_tokens == len(LONG_PROMPT)
