@@ -244,6 +244,7 @@ def test_a_demanded_call_follows_the_reasoning(client: openai.OpenAI, tiny_model
         tools=[WEATHER],
         tool_choice="required",
         logit_bias={str(think_end[0]): 100},
+        seed=3,
         extra_body={"chat_template_kwargs": {"enable_thinking": True}},
     )
     choice = out.choices[0]
