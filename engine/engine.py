@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import structlog
 
 from phalanx.config.replica import ReplicaConfig, Timeouts
+from phalanx.engine.prompt_only import prompt_only
 from phalanx.engine.stream import RequestStream
 from phalanx.executor.errors import ExecutorPoisoned
 from phalanx.protocol.messages import Ping
@@ -148,6 +149,7 @@ class Engine:
     # -- caller API -------------------------------------------------------------------------
 
     def submit(self, prompt_ids: list[int], params: GenerationParams | None = None) -> RequestStream:
+        """Queue a request; ``max_tokens`` 0 scores the prompt alone (``engine.prompt_only``)."""
         params = params or GenerationParams()
         self._validate(prompt_ids, params)
         with self._lock:
@@ -157,7 +159,8 @@ class Engine:
             stream = RequestStream(request_id, self.cancel, self._forget)
             self._open[request_id] = stream
             prompt = [int(t) for t in prompt_ids]
-            self._inbox.put(Request(request_id, prompt, params, stream.push, self.model_info.eos_token_ids))
+            run, emit = prompt_only(params, stream.push) if params.max_tokens == 0 else (params, stream.push)
+            self._inbox.put(Request(request_id, prompt, run, emit, self.model_info.eos_token_ids))
         return stream
 
     def cancel(self, request_id: int) -> None:
@@ -217,7 +220,7 @@ class Engine:
                 raise ValueError(
                     f"prompt token {token!r} at index {index} is outside the vocabulary [0, {vocab})"
                 )
-        params.validate(vocab)
+        params.validate(vocab, least_max_tokens=0)
         context = self.model_info.max_context
         if len(prompt_ids) >= context:
             raise ValueError(

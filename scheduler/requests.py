@@ -44,10 +44,13 @@ class GenerationParams:
     prompt_logprobs: int | None = None  # None: none; N: each prompt token's logprob and the top N
     grammar: str | None = None  # an llguidance grammar the output must follow (rank 0 masks the rest)
 
-    def validate(self, vocab_size: int) -> None:
-        """Raise ValueError naming the first bad field."""
-        if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= INT32_MAX:
-            raise ValueError(f"max_tokens must be an integer in [1, {INT32_MAX}], got {self.max_tokens!r}")
+    def validate(self, vocab_size: int, least_max_tokens: int = 1) -> None:
+        """Raise ValueError naming the first bad field; ``least_max_tokens`` 0 lets a request
+        generate nothing (the engine scores such a prompt alone)."""
+        if not _is_int(self.max_tokens) or not least_max_tokens <= self.max_tokens <= INT32_MAX:
+            raise ValueError(
+                f"max_tokens must be an integer in [{least_max_tokens}, {INT32_MAX}], got {self.max_tokens!r}"
+            )
         if not math.isfinite(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
             raise ValueError(
                 f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}"

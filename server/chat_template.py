@@ -17,6 +17,8 @@ from jinja2.ext import Extension
 from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from phalanx.server.tool_call_xml import template_writes_xml_calls
+
 
 class ChatTemplateError(ValueError):
     """The template is missing, or rendering it failed (including the template's own raise_exception)."""
@@ -82,6 +84,7 @@ class ChatTemplate:
             self._template = env.from_string(source)
         except jinja2.TemplateSyntaxError as e:
             raise ChatTemplateError(f"chat template does not compile: {e}") from e
+        self.writes_xml_calls = template_writes_xml_calls(source)  # the form a demanded call takes
         self.bos_token = bos_token or ""
         self.eos_token = eos_token or ""
 

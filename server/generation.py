@@ -137,6 +137,8 @@ class Generation:
                         return
                 elif isinstance(event, FinishEvent):
                     ended = self._ended()
+                    if timing.count == 0 and event.reason != "cancelled":  # a prompt-only request
+                        self._metrics.prompt(self._prompt_tokens)
                     tail = self._stops.push(self._detokenizer.flush()) + self._stops.flush()
                     if tail:
                         yield Chunk(tail)

@@ -21,6 +21,8 @@ MAX_MODEL_NAME_CHARS = 256
 RESERVED_TEMPLATE_KWARGS = ("messages", "add_generation_prompt", "tools", "bos_token", "eos_token")
 
 TokenCount = Annotated[int, Field(strict=True, ge=1, le=INT32_MAX)]
+# completions: 0 with echo answers the prompt alone (OpenAI's legacy API and vLLM take it)
+CompletionTokenCount = Annotated[int, Field(strict=True, ge=0, le=INT32_MAX)]
 Temperature = Annotated[float, Field(strict=True, ge=0.0, le=MAX_TEMPERATURE)]
 TopP = Annotated[float, Field(strict=True, gt=0.0, le=1.0)]
 TopK = Annotated[int, Field(strict=True, ge=-1, le=INT32_MAX, description="0 or -1: no top-k filter")]

@@ -96,8 +96,12 @@ class ServerMetrics:
     def token(self, prompt_tokens: int = 0) -> None:
         """One generated token; the first of a request also brings its ``prompt_tokens``."""
         self.totals.generation += 1
-        self.totals.prompt += prompt_tokens
         self.generation_tokens.inc()
+        self.prompt(prompt_tokens)
+
+    def prompt(self, prompt_tokens: int) -> None:
+        """Prompt tokens run: with a request's first token, or when it ends having generated none."""
+        self.totals.prompt += prompt_tokens
         self.prompt_tokens.inc(prompt_tokens)
 
     def finished(self, outcome: str, ttft: float | None = None, tpot: float | None = None) -> None:

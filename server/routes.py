@@ -80,6 +80,10 @@ async def model(model_id: str, request: Request) -> dict[str, Any]:
 async def completions(body: CompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
     state = _state(request)
     state.check_model(body.model)
+    if body.max_tokens == 0 and not body.echo:  # nothing generated and nothing echoed
+        raise bad_request(
+            "max_tokens: 0 is accepted only with echo (the answer is the prompt)", param="max_tokens"
+        )
     # tokenizing (a long prompt, many prompts) runs off the event loop: other streams go on
     prompts = await run_in_threadpool(
         lambda: [state.completion_prompt_ids(prompt) for prompt in body.prompts]
@@ -102,14 +106,20 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSO
     state = _state(request)
     state.check_model(body.model)
     prompt_text, prompt_ids = await run_in_threadpool(state.chat_prompt, body)
+    in_reasoning = ReasoningSplitter.prompt_opens_reasoning(prompt_text)
     choices = state.start_choices(
-        [prompt_ids], body, body.requested_max_tokens, body.logprobs_count, body.prompt_logprobs
+        [prompt_ids],
+        body,
+        body.requested_max_tokens,
+        body.logprobs_count,
+        body.prompt_logprobs,
+        opens_reasoning=in_reasoning,
     )
     fmt = ChatFormat(
         state.tokenizer,
         state.model_name,
         want_logprobs=body.logprobs,
-        starts_in_reasoning=ReasoningSplitter.prompt_opens_reasoning(prompt_text),
+        starts_in_reasoning=in_reasoning,
         parses_tool_calls=body.parses_tool_calls,
         parallel_tool_calls=body.parallel_tool_calls,
         tools=body.tools,

@@ -16,6 +16,7 @@ from phalanx.server.limits import (
     INT32_MAX,
     MAX_STOP_STRINGS,
     RESERVED_TEMPLATE_KWARGS,
+    CompletionTokenCount,
     Flag,
     LogprobCount,
     ModelName,
@@ -121,7 +122,7 @@ class SamplingRequest(BaseModel):
 
 class CompletionRequest(SamplingRequest):
     prompt: Annotated[str, Field(strict=True)] | list[TokenId] | list[str] | list[list[TokenId]]
-    max_tokens: TokenCount | None = 16
+    max_tokens: CompletionTokenCount | None = 16
     logprobs: LogprobCount | None = None
     echo: Flag = False
 

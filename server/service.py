@@ -16,14 +16,16 @@ from phalanx.server.errors import bad_request, unavailable
 from phalanx.server.generation import Generation, StopRule
 from phalanx.server.metrics import ServerMetrics
 from phalanx.server.prompt_tokens import TooManyTokens, encode_within
-from phalanx.server.schemas import ChatCompletionRequest, SamplingRequest
+from phalanx.server.schemas import STRUCTURED_FIELDS, ChatCompletionRequest, SamplingRequest
 from phalanx.server.structured import (
     GrammarCheck,
+    after_reasoning,
     guided_grammar,
     response_format_grammar,
     tool_call_grammar,
     tool_names,
 )
+from phalanx.server.xml_call_grammar import xml_tool_call_grammar
 
 
 @dataclass
@@ -55,15 +57,18 @@ class ServerState:
         max_tokens: int | None,
         logprobs: int | None,
         prompt_logprobs: int | None = None,
+        opens_reasoning: bool = False,
     ) -> list[Choice]:
         """One started generation per prompt and sample; if one is refused, those started are
-        cancelled and the refusal stands for the whole request."""
+        cancelled and the refusal stands for the whole request. ``opens_reasoning``: the prompt
+        ends inside the model's reasoning (a constraint holds from its end on)."""
         slots = self.engine.stats().slots_total
         if body.n > slots:
             raise bad_request(
                 f"n is {body.n}, but this server runs at most {slots} sequences at once", param="n"
             )
-        grammar = output_grammar(body, self.grammar_check)
+        xml_calls = self.template is not None and self.template.writes_xml_calls
+        grammar = output_grammar(body, self.grammar_check, xml_calls, opens_reasoning)
         choices: list[Choice] = []
         try:
             for p, prompt_ids in enumerate(prompts):
@@ -171,10 +176,23 @@ class ServerState:
             raise unavailable(str(e)) from e
 
 
-def output_grammar(body: SamplingRequest, check: GrammarCheck) -> str | None:
-    """The grammar the request's output must follow: a tool call its tool_choice demands, or its
-    response format or guided decoding; None when nothing constrains it."""
+def output_grammar(
+    body: SamplingRequest, check: GrammarCheck, xml_calls: bool, opens_reasoning: bool = False
+) -> str | None:
+    """The grammar the request's output must follow: a tool call its tool_choice demands (in the
+    XML form with ``xml_calls``, else the JSON form), or its response format or guided decoding;
+    with ``opens_reasoning`` (the prompt ends inside the model's reasoning) it holds from the
+    reasoning's end on. None when nothing constrains it."""
+    grammar, field = _constraint(body, check, xml_calls)
+    if grammar is None or not opens_reasoning:
+        return grammar
+    return after_reasoning(grammar, field, check)
+
+
+def _constraint(body: SamplingRequest, check: GrammarCheck, xml_calls: bool) -> tuple[str | None, str]:
+    """The constraint's grammar and the field it came from."""
     if isinstance(body, ChatCompletionRequest) and body.tools:
+        call_grammar = xml_tool_call_grammar if xml_calls else tool_call_grammar
         names = tool_names(body.tools)
         choice = body.tool_choice
         if isinstance(choice, dict):
@@ -184,12 +202,13 @@ def output_grammar(body: SamplingRequest, check: GrammarCheck) -> str | None:
                     f"tool_choice: no tool named {name!r} among the tools offered ({', '.join(names)})",
                     param="tool_choice",
                 )
-            return tool_call_grammar(body.tools, [name], check)
+            return call_grammar(body.tools, [name], check), "tools"
         if choice == "required":
-            return tool_call_grammar(body.tools, names, check)
+            return call_grammar(body.tools, names, check), "tools"
     if body.response_format is not None:
-        return response_format_grammar(body.response_format, check)
-    return guided_grammar(body.guided_json, body.guided_regex, body.guided_choice, check)
+        return response_format_grammar(body.response_format, check), "response_format"
+    field = next((name for name in STRUCTURED_FIELDS if getattr(body, name) is not None), "")
+    return guided_grammar(body.guided_json, body.guided_regex, body.guided_choice, check), field
 
 
 def derived_seed(seed: int | None, sample: int) -> int | None:

@@ -20,6 +20,12 @@ PARAMETER_CLOSE = "</parameter>"
 MAX_TAG = 1024  # characters of a tag; a longer one is not a name (OpenAI's names are 64 at most)
 
 
+def template_writes_xml_calls(template_source: str) -> bool:
+    """Whether a chat template asks for calls in this form (Qwen3.5's shows ``<function=`` in its
+    instructions and writes past calls so); else a constrained call takes Qwen3's JSON form."""
+    return FUNCTION_OPEN in template_source
+
+
 class XmlCallSyntaxError(ValueError):
     """The character cannot continue the call."""
 

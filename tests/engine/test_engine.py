@@ -13,7 +13,7 @@ from phalanx.engine.engine import Engine, ErrorEvent, FinishEvent, GenerationPar
 from phalanx.executor.errors import ExecutorPoisoned
 from phalanx.executor.model_info import ModelInfo
 from phalanx.protocol.messages import Capacity, Command, Decode, Ping
-from tests.support.fake_ranks import FakeRanks
+from tests.support.fake_ranks import FakeRanks, fake_token
 
 
 class DoubleExecutor(FakeRanks):
@@ -50,10 +50,14 @@ class DoubleExecutor(FakeRanks):
         return True
 
 
+def _engine(pipeline: bool = False) -> Engine:
+    executor = DoubleExecutor(Capacity(kv_pages=16, page_size=4, max_slots=4, max_batch_tokens=8))
+    return Engine(executor, "/models/fake-model", idle_ping_interval=0.05, pipeline=pipeline)
+
+
 @pytest.fixture
 def engine():
-    executor = DoubleExecutor(Capacity(kv_pages=16, page_size=4, max_slots=4, max_batch_tokens=8))
-    engine = Engine(executor, "/models/fake-model", idle_ping_interval=0.05)
+    engine = _engine()
     yield engine
     engine.shutdown()
 
@@ -92,6 +96,52 @@ def test_sync_and_async_streams_give_the_same_tokens(engine: Engine) -> None:
     assert stats.kv_pages_used == 0 and stats.slots_used == 0 and stats.steps > 0
 
 
+def _idle(engine: Engine) -> None:
+    """Wait for the stats snapshot of the tick that retired the last request."""
+    deadline = time.monotonic() + 5.0
+    while (engine.stats().kv_pages_used or engine.stats().slots_used) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert (engine.stats().kv_pages_used, engine.stats().slots_used) == (0, 0)
+
+
+@pytest.fixture(params=[False, True], ids=["plain", "pipelined"])
+def either_engine(request: pytest.FixtureRequest):
+    engine = _engine(pipeline=request.param)
+    yield engine
+    engine.shutdown()
+
+
+def test_a_prompt_only_request_generates_nothing_and_frees_what_it_held(either_engine: Engine) -> None:
+    engine = either_engine
+    # a prompt whose one sampled token is the end of sequence: still "length", still no token
+    eos_prompt = next(
+        [k] for k in range(64) if fake_token([k], GenerationParams(max_tokens=1).sampling(1, (63,)), 64) == 63
+    )
+    running = engine.submit([1, 2, 3], GenerationParams(max_tokens=5, ignore_eos=True))
+    ids = [running.request_id]
+    for prompt in ([4, 5, 6, 7, 8], eos_prompt):
+        stream = engine.submit(prompt, GenerationParams(max_tokens=0, logprobs=2, seed=1))
+        ids.append(stream.request_id)
+        assert list(stream) == [FinishEvent("length", len(prompt), 0)]
+    tokens, final = tokens_and_final(running)  # a request beside them runs on untouched
+    assert len(tokens) == 5 and final == FinishEvent("length", 3, 5)
+    _idle(engine)
+    # each ran on the ranks and was dropped there
+    assert sorted(c[0] for name, c in engine._executor.commands if name == "drop") == sorted(ids)
+
+
+def test_a_cancelled_prompt_only_request_ends_cancelled(engine: Engine) -> None:
+    engine._executor.gate.clear()  # a decode holds the scheduler: the prompt-only one waits behind it
+    first = engine.submit([1, 2], GenerationParams(max_tokens=4, ignore_eos=True))
+    assert isinstance(first.next_event(timeout=10), TokenEvent)
+    waiting = engine.submit([3, 4], GenerationParams(max_tokens=0))
+    waiting.cancel()
+    engine._executor.gate.set()
+    assert list(waiting) == [FinishEvent("cancelled", 2, 0)]
+    assert tokens_and_final(first)[1].reason == "length"
+    _idle(engine)
+
+
 def test_cancel_ends_the_stream_once_and_is_idempotent(engine: Engine) -> None:
     engine._executor.gate.clear()  # hold the first decode so the request is surely running
     stream = engine.submit([1, 2], GenerationParams(max_tokens=40, ignore_eos=True))
@@ -125,8 +175,14 @@ def test_cancel_ends_the_stream_once_and_is_idempotent(engine: Engine) -> None:
             GenerationParams(max_tokens=5),
             "prompt of 60 tokens plus max_tokens 5 exceeds the context of 64",
         ),
-        ([1], GenerationParams(max_tokens=0), r"max_tokens must be an integer in \[1, 2147483647\]"),
-        ([1], GenerationParams(max_tokens=True), r"max_tokens must be an integer in \[1, 2147483647\]"),
+        ([1], GenerationParams(max_tokens=-1), r"max_tokens must be an integer in \[0, 2147483647\]"),
+        ([1], GenerationParams(max_tokens=True), r"max_tokens must be an integer in \[0, 2147483647\]"),
+        ([1], GenerationParams(max_tokens=False), r"max_tokens must be an integer in \[0, 2147483647\]"),
+        (
+            [1],
+            GenerationParams(max_tokens=0, min_tokens=1),
+            r"min_tokens must be an integer in \[0, max_tokens\], got 1",
+        ),
         ([1], GenerationParams(temperature=-1.0), r"temperature must be a number in \[0, 2\]"),
         ([1], GenerationParams(temperature=2.5), r"temperature must be a number in \[0, 2\]"),
         ([1], GenerationParams(top_p=0.0), r"top_p must be in \(0, 1\]"),

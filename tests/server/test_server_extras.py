@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from phalanx.server.detokenizer import TextTokenizer
-from tests.support.live_server import MODEL_NAME, live_server
+from tests.support.live_server import MODEL_NAME, live_server, metric, wait_for_metric
 
 
 @pytest.fixture(scope="module")
@@ -309,3 +309,57 @@ def test_bad_prompt_options_get_400(base_url: str, body: dict, message: str) -> 
     response = httpx.post(base_url + "/v1/completions", json={"model": MODEL_NAME, **body}, timeout=30)
     assert response.status_code == 400, response.text
     assert message in response.json()["error"]["message"]
+
+
+def test_echo_with_max_tokens_0_is_the_prompt_alone(
+    client: openai.OpenAI, base_url: str, reference_logprobs: torch.Tensor
+) -> None:
+    prompt_tokens = metric(base_url, "phalanx_prompt_tokens_total")
+    whole = client.completions.create(
+        model=MODEL_NAME, prompt=LONG_PROMPT, max_tokens=0, logprobs=2, echo=True
+    )
+    assert metric(base_url, "phalanx_prompt_tokens_total") == prompt_tokens + len(LONG_PROMPT)
+    choice = whole.choices[0]
+    assert (choice.finish_reason, whole.usage.completion_tokens) == ("length", 0)
+    assert whole.usage.prompt_tokens == len(LONG_PROMPT)
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == len(LONG_PROMPT) and logprobs.token_logprobs[0] is None
+    expected = [reference_logprobs[i - 1, t].item() for i, t in enumerate(LONG_PROMPT) if i > 0]
+    assert logprobs.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
+    one = client.completions.create(model=MODEL_NAME, prompt=LONG_PROMPT, max_tokens=1, logprobs=2, echo=True)
+    assert one.choices[0].text.startswith(choice.text)  # the token may have no text: count entries
+    assert len(one.choices[0].logprobs.tokens) == len(LONG_PROMPT) + 1
+    assert one.choices[0].logprobs.token_logprobs[: len(LONG_PROMPT)] == logprobs.token_logprobs
+    streamed = client.completions.create(
+        model=MODEL_NAME, prompt=LONG_PROMPT, max_tokens=0, logprobs=2, echo=True, stream=True
+    )
+    chunks = list(streamed)
+    assert "".join(c.choices[0].text for c in chunks) == choice.text
+    assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
+    wait_for_metric(base_url, "phalanx_slots_used", 0)  # each one freed its slot and pages
+    wait_for_metric(base_url, "phalanx_kv_pages_used", 0)
+
+
+def test_lm_eval_style_scoring_with_max_tokens_0(base_url: str) -> None:
+    prompts = [LONG_PROMPT[:9], LONG_PROMPT[5:30]]
+    request = {"model": MODEL_NAME, "prompt": prompts, "logprobs": 1, "echo": True, "temperature": 0.0}
+    scored = httpx.post(base_url + "/v1/completions", json={**request, "max_tokens": 0}, timeout=60).json()
+    sampled = httpx.post(base_url + "/v1/completions", json={**request, "max_tokens": 1}, timeout=60).json()
+    assert [c["finish_reason"] for c in scored["choices"]] == ["length", "length"]
+    assert scored["usage"]["completion_tokens"] == 0
+    for prompt, zero, one in zip(prompts, scored["choices"], sampled["choices"], strict=True):
+        assert len(zero["logprobs"]["tokens"]) == len(prompt)
+        assert zero["logprobs"]["token_logprobs"] == one["logprobs"]["token_logprobs"][: len(prompt)]
+        assert zero["logprobs"]["top_logprobs"] == one["logprobs"]["top_logprobs"][: len(prompt)]
+
+
+def test_max_tokens_0_without_echo_is_a_400(base_url: str) -> None:
+    body = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 0}
+    response = httpx.post(base_url + "/v1/completions", json=body, timeout=30)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"] == {
+        "message": "max_tokens: 0 is accepted only with echo (the answer is the prompt)",
+        "type": "invalid_request_error",
+        "param": "max_tokens",
+        "code": None,
+    }

@@ -5,6 +5,12 @@ Sends ``--num-prompts`` random prompts (token ids by default, or random words) t
 ``--output-len`` tokens (``ignore_eos``). Reports TTFT (arrival of the first token), TPOT (mean
 time per output token after the first, per request), ITL (every gap between streamed tokens),
 p50/p99 and output tokens/s, and writes them as JSON.
+
+``--response-format json_object`` or ``--guided-json SCHEMA_FILE`` constrains every request's
+output, to measure what a grammar costs per token. The length stays fixed: once a grammar is
+complete the server allows only end-of-sequence tokens, which ``ignore_eos`` runs on through to
+``--output-len``; they carry no text, so ``mean_text_tokens`` (streamed tokens that carried text)
+says how many tokens were written under the grammar.
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ class RequestResult:
     latency_s: float = 0.0
     ttft_s: float = 0.0
     token_times: list[float] = field(default_factory=list)  # arrival of each streamed chunk
+    text_tokens: int = 0  # streamed tokens that carried text
     output_tokens: int = 0
     error: str = ""
 
@@ -79,12 +86,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-id", type=int, default=256, help="random token ids are drawn from [0, max-id)")
     parser.add_argument("--seed", type=int, default=42, help="seed of the random prompts")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    constrained = parser.add_mutually_exclusive_group()
+    constrained.add_argument(
+        "--response-format", choices=("json_object",), help="constrain every request's output to JSON"
+    )
+    constrained.add_argument(
+        "--guided-json", type=Path, metavar="SCHEMA_FILE", help="constrain every request to this JSON schema"
+    )
     parser.add_argument("--out", type=Path, default=Path("bench-serve.json"), help="JSON result file")
 
 
 def _api(base_url: str) -> str:
     base = base_url.rstrip("/")
     return base if base.endswith("/v1") else base + "/v1"
+
+
+def constraint_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The request fields that constrain the output, from the flags (none by default); raises
+    OSError or ValueError for a schema file that cannot be read as JSON."""
+    if args.response_format is not None:
+        return {"response_format": {"type": args.response_format}}
+    if args.guided_json is not None:
+        return {"guided_json": json.loads(args.guided_json.read_text(encoding="utf-8"))}
+    return {}
+
+
+def request_body(
+    model: str, prompt: list[int] | str, output_len: int, constraint: dict[str, Any]
+) -> dict[str, Any]:
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": output_len,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **constraint,
+    }
 
 
 def make_prompts(args: argparse.Namespace) -> list[list[int] | str]:
@@ -113,6 +152,7 @@ async def one_request(client: httpx.AsyncClient, api: str, body: dict[str, Any])
                     result.output_tokens = event["usage"]["completion_tokens"]
                 if any(c.get("finish_reason") is None for c in event.get("choices", [])):
                     result.token_times.append(time.perf_counter() - start)
+                    result.text_tokens += any(c.get("text") for c in event["choices"])
     except httpx.HTTPError as e:
         result.error = f"{type(e).__name__}: {e}"
         return result
@@ -123,22 +163,16 @@ async def one_request(client: httpx.AsyncClient, api: str, body: dict[str, Any])
     return result
 
 
-async def run_benchmark(args: argparse.Namespace, model: str) -> tuple[list[RequestResult], float]:
+async def run_benchmark(
+    args: argparse.Namespace, model: str, constraint: dict[str, Any]
+) -> tuple[list[RequestResult], float]:
     api = _api(args.base_url)
     gate = asyncio.Semaphore(args.concurrency)
     limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
     async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
 
         async def limited(prompt: list[int] | str) -> RequestResult:
-            body = {
-                "model": model,
-                "prompt": prompt,
-                "max_tokens": args.output_len,
-                "temperature": 0.0,
-                "ignore_eos": True,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-            }
+            body = request_body(model, prompt, args.output_len, constraint)
             async with gate:
                 result = await one_request(client, api, body)
             bar.update(1)
@@ -177,6 +211,8 @@ def summarise(
         "input_len": args.input_len,
         "output_len": args.output_len,
         "prompt_kind": args.prompt_kind,
+        "response_format": args.response_format,
+        "guided_json": None if args.guided_json is None else str(args.guided_json),
         "completed": len(done),
         "failed": len(results) - len(done),
         "errors": sorted({r.error for r in results if not r.ok})[:10],
@@ -189,6 +225,7 @@ def summarise(
         "itl_ms": _stats_ms(itl),
         "latency_ms": _stats_ms([r.latency_s for r in done]),
         "mean_output_tokens": statistics.fmean([r.output_tokens for r in done]) if done else 0.0,
+        "mean_text_tokens": statistics.fmean([r.text_tokens for r in done]) if done else 0.0,
     }
 
 
@@ -200,11 +237,16 @@ def _first_model(base_url: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        constraint = constraint_fields(args)
+    except (OSError, ValueError) as e:
+        print(f"phalanx bench serve: --guided-json: {e}", file=sys.stderr)
+        return 2
+    try:
         model = args.model or _first_model(args.base_url)
     except httpx.HTTPError as e:
         print(f"phalanx bench serve: cannot reach {args.base_url}: {e}", file=sys.stderr)
         return 1
-    results, duration_s = asyncio.run(run_benchmark(args, model))
+    results, duration_s = asyncio.run(run_benchmark(args, model, constraint))
     summary = summarise(args, model, results, duration_s)
     args.out.write_text(json.dumps(summary, indent=1) + "\n")
     print(
@@ -214,5 +256,10 @@ def run(args: argparse.Namespace) -> int:
     for name in ("ttft_ms", "tpot_ms", "itl_ms"):
         s = summary[name]
         print(f"  {name:<8} mean {s['mean']:9.2f}  p50 {s['p50']:9.2f}  p99 {s['p99']:9.2f}")
+    if constraint:
+        print(
+            f"  constrained: {summary['mean_text_tokens']:.1f} of {summary['mean_output_tokens']:.1f}"
+            " tokens a request carried text (end-of-sequence tokens after a completed grammar carry none)"
+        )
     print(f"result: {args.out}")
     return 0 if summary["failed"] == 0 else 1
