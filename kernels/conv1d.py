@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from phalanx.kernels.varlen import StateCaptures
+
 
 def causal_conv1d_decode_ref(
     x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, state_slots: torch.Tensor
@@ -40,3 +42,10 @@ def causal_conv1d_prefill_ref(
         out[lo:hi] = F.silu(conv[0]).t().to(x.dtype)
         conv_state[slot] = inputs[:, inputs.shape[1] - (kernel - 1) :]
     return out
+
+
+def capture_conv_states(x: torch.Tensor, conv_state: torch.Tensor, captures: StateCaptures) -> None:
+    """Each capture's conv state, the K-1 raw inputs before its point, into its slot (x [T, C])."""
+    width = conv_state.shape[-1]
+    rows = captures.token_ends[:, None] - width + torch.arange(width, device=x.device)  # [m, K-1]
+    conv_state.index_copy_(0, captures.slots, x[rows].transpose(1, 2).to(conv_state.dtype))

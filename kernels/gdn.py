@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from phalanx.kernels.varlen import StateCaptures
+
 
 def gdn_gating_ref(
     a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
@@ -67,8 +69,10 @@ def gated_delta_rule_prefill_ref(
     state_slots: torch.Tensor,
     cu_seqlens: torch.Tensor,
     has_initial_state: torch.Tensor,
+    captures: StateCaptures | None = None,
 ) -> torch.Tensor:
-    """Per chunk, the recurrence from zero or the slot's state; the final state is written back.
+    """Per chunk, the recurrence from zero or the slot's state; the final state is written back,
+    and each capture's state (taken at a block start) into its slot.
 
     Computed block-wise (blocks of BLOCK tokens, see ``_delta_rule_block``), which equals the token
     recurrence up to rounding.
@@ -77,9 +81,15 @@ def gated_delta_rule_prefill_ref(
     vf, gf, bf = v.float(), g.float(), beta.float()
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     bounds = cu_seqlens.tolist()
+    captured: dict[tuple[int, int], int] = {}
+    if captures is not None:
+        slots = captures.slots.tolist()
+        captured = {(c, o): slot for c, o, slot in zip(captures.chunks, captures.offsets, slots, strict=True)}
     for i, (slot, has_state) in enumerate(zip(state_slots.tolist(), has_initial_state.tolist(), strict=True)):
         current = state[slot].float() if has_state else torch.zeros_like(state[slot])
         for lo in range(bounds[i], bounds[i + 1], BLOCK):
+            if (i, lo - bounds[i]) in captured:
+                state[captured[i, lo - bounds[i]]] = current
             hi = min(lo + BLOCK, bounds[i + 1])
             current, out[lo:hi] = _delta_rule_block(
                 current, qf[lo:hi], kf[lo:hi], vf[lo:hi], gf[lo:hi], bf[lo:hi]

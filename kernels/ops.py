@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from phalanx.config import settings
 from phalanx.kernels.activation import silu_and_mul_ref
 from phalanx.kernels.attention import paged_decode_attention_ref, paged_prefill_attention_ref
-from phalanx.kernels.conv1d import causal_conv1d_decode_ref, causal_conv1d_prefill_ref
+from phalanx.kernels.conv1d import capture_conv_states, causal_conv1d_decode_ref, causal_conv1d_prefill_ref
 from phalanx.kernels.embedding import embedding_ref
 from phalanx.kernels.gdn import gated_delta_rule_decode_ref, gated_delta_rule_prefill_ref, gdn_gating_ref
 from phalanx.kernels.gdn_step import gdn_decode_step_ref
@@ -262,6 +262,9 @@ def causal_conv1d_prefill(
     has_initial_state: torch.Tensor,
     varlen: Varlen | None = None,
 ) -> torch.Tensor:
+    """``varlen``'s state captures (if any) are taken from ``x`` too."""
+    if varlen is not None and varlen.captures is not None:
+        capture_conv_states(x, conv_state, varlen.captures)
     if x.is_cuda:
         return _triton("conv1d", "causal_conv1d_prefill")(
             x, weight, conv_state, state_slots, cu_seqlens, has_initial_state, varlen
@@ -307,7 +310,10 @@ def gated_delta_rule_prefill(
         return _triton("gdn", "gated_delta_rule_prefill")(
             q, k, v, g, beta, state, state_slots, cu_seqlens, has_initial_state, varlen
         )
-    return gated_delta_rule_prefill_ref(q, k, v, g, beta, state, state_slots, cu_seqlens, has_initial_state)
+    captures = None if varlen is None else varlen.captures
+    return gated_delta_rule_prefill_ref(
+        q, k, v, g, beta, state, state_slots, cu_seqlens, has_initial_state, captures
+    )
 
 
 # Fused ops: each is the chain of the ops above that it replaces (see its reference module); on

@@ -20,6 +20,22 @@ GDN_CHUNK = 64
 
 
 @dataclass(frozen=True)
+class StateCaptures:
+    """Linear-attention states a prefill also leaves behind mid-chunk (prefix-cache snapshots).
+
+    Capture i: the state of chunk ``chunks[i]`` after its first ``offsets[i]`` tokens goes into
+    state slot ``slots[i]``, in the same pass. The chunked delta rule holds the state at the start
+    of each of its 64-token chunks anyway, so an offset must be a multiple of ``GDN_CHUNK``.
+    """
+
+    chunks: tuple[int, ...]  # host
+    offsets: tuple[int, ...]  # host
+    token_ends: torch.Tensor  # [m] int64: batch index of the first token after the captured point
+    gdn_chunks: torch.Tensor  # [m] int64: the fla-core chunk that starts at the captured point
+    slots: torch.Tensor  # [m] int64: destination state slots
+
+
+@dataclass(frozen=True)
 class Varlen:
     """n chunks of T tokens in all, as every prefill kernel reads them (tensors on the device)."""
 
@@ -32,11 +48,25 @@ class Varlen:
     gdn_chunks: torch.Tensor  # [NT, 2] int64: fla-core's chunk_indices for GDN_CHUNK
     longest: int  # tokens of the longest chunk
     ends: tuple[int, ...]  # each chunk's start + length, on the host
+    captures: StateCaptures | None = None
 
     @classmethod
-    def build(cls, lengths: Sequence[int], starts: Sequence[int], device: torch.device) -> Varlen:
+    def build(
+        cls,
+        lengths: Sequence[int],
+        starts: Sequence[int],
+        device: torch.device,
+        captures: Sequence[tuple[int, int, int]] = (),
+    ) -> Varlen:
+        """``captures``: (chunk, offset, state slot) per state to leave behind (``StateCaptures``)."""
         if not lengths or min(lengths) < 1 or len(starts) != len(lengths):
             raise ValueError(f"a varlen batch needs chunks of at least one token, got {list(lengths)}")
+        for chunk, offset, _ in captures:
+            if not 0 <= chunk < len(lengths) or not 0 < offset < lengths[chunk] or offset % GDN_CHUNK:
+                raise ValueError(
+                    f"a state capture after {offset} tokens of chunk {chunk} must fall inside the chunk "
+                    f"at a multiple of {GDN_CHUNK} tokens"
+                )
         length = np.asarray(lengths, dtype=np.int64)
         start = np.asarray(starts, dtype=np.int64)
         cu = np.zeros(len(length) + 1, dtype=np.int64)
@@ -48,13 +78,29 @@ class Varlen:
         gdn_offsets = np.zeros(len(length) + 1, dtype=np.int64)
         np.cumsum(gdn_counts, out=gdn_offsets[1:])
         gdn_index = np.arange(gdn_offsets[-1]) - gdn_offsets[:-1][gdn_sequence]
+        capture = np.asarray(captures, dtype=np.int64).reshape(-1, 3)
+        capture_chunk, capture_offset, capture_slot = capture.T
+        token_ends = cu[capture_chunk] + capture_offset
+        gdn_chunks = gdn_offsets[capture_chunk] + capture_offset // GDN_CHUNK
         # One upload for everything, then views and dtype casts on the device.
         packed = torch.from_numpy(
-            np.concatenate([cu, start, chunk_of_token, positions, gdn_sequence, gdn_index])
+            np.concatenate(
+                [
+                    cu,
+                    start,
+                    chunk_of_token,
+                    positions,
+                    gdn_sequence,
+                    gdn_index,
+                    token_ends,
+                    gdn_chunks,
+                    capture_slot,
+                ]
+            )
         ).to(device)
-        n, tokens, nt = len(length), int(cu[-1]), len(gdn_sequence)
-        cu_long, starts_dev, chunk_dev, positions_dev, sequence_dev, index_dev = packed.split(
-            [n + 1, n, tokens, tokens, nt, nt]
+        n, tokens, nt, m = len(length), int(cu[-1]), len(gdn_sequence), len(capture)
+        cu_long, starts_dev, chunk_dev, positions_dev, sequence_dev, index_dev, *captured = packed.split(
+            [n + 1, n, tokens, tokens, nt, nt, m, m, m]
         )
         return cls(
             cu_seqlens=cu_long.to(torch.int32),
@@ -66,4 +112,7 @@ class Varlen:
             gdn_chunks=torch.stack([sequence_dev, index_dev], 1),
             longest=int(length.max()),
             ends=tuple((start + length).tolist()),
+            captures=StateCaptures(tuple(capture_chunk.tolist()), tuple(capture_offset.tolist()), *captured)
+            if m
+            else None,
         )

@@ -40,8 +40,10 @@ class PrefillBatch:
         cls,
         chunks: Sequence[tuple[Sequence[int], int, int, Sequence[int]]],
         device: torch.device | str = "cpu",
+        captures: Sequence[tuple[int, int, int]] = (),
     ) -> PrefillBatch:
-        """chunks: (token ids, start position, state slot, page ids) per chunk."""
+        """chunks: (token ids, start position, state slot, page ids) per chunk; captures: (chunk,
+        offset, state slot) per linear-attention state to leave behind mid-chunk (``StateCaptures``)."""
         if not chunks:
             raise ValueError("a prefill batch needs at least one chunk")
         device = torch.device(device)
@@ -51,7 +53,7 @@ class PrefillBatch:
         starts = [start for _, start, _, _ in chunks]
         token_ids = np.fromiter((t for tokens, _, _, _ in chunks for t in tokens), dtype=np.int64)
         token_range = (int(token_ids.min()), int(token_ids.max()))
-        varlen = Varlen.build(lengths, starts, device)
+        varlen = Varlen.build(lengths, starts, device, captures)
         width = max(len(pages) for _, _, _, pages in chunks)
         return cls(
             tokens=torch.from_numpy(token_ids).to(device),
