@@ -83,9 +83,10 @@ class SchedulingConfig:
     max_slots: int = 16  # requests decoding at once; 0 on cuda: up to the largest graph bucket that fits
     max_batch_tokens: int = 2048  # prompt tokens of one prefill step
     pipeline: bool = True  # send each decode step before reading the last one's result
+    prefix_snapshot_interval: int = 1024  # prompt tokens between prefix-cache state snapshots (whole pages)
 
     def __post_init__(self) -> None:
-        _check_positive(self, "max_batch_tokens")
+        _check_positive(self, "max_batch_tokens", "prefix_snapshot_interval")
         if self.max_slots < 0:
             raise ValueError(_AS_MANY_AS_FIT.format(name="max_slots", value=self.max_slots))
 

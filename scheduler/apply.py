@@ -4,7 +4,8 @@ The executor has already checked the reply against its command (one token per de
 last prompt chunk, one prompt-logprob span per chunk that asked), so each token is matched to its
 request by id here. A token that finishes its request (a stop id, end of sequence, max_tokens) is
 held, and published with the finish event only once every rank acknowledged the request's drop,
-so a client never sees a request complete whose state a rank still holds.
+so a client never sees a request complete whose state a rank still holds. A chunk's full blocks
+and state snapshots join the prefix cache here, once its answer is read, never when it is sent.
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ class Applier:
         self._publish_prompt_logprobs(scored)
         tokens = {result.request_id: result for result in prefilled}
         ended: dict[int, tuple[TokenEvent, FinishReason]] = {}
-        for request, _ in plan.chunks:
+        for request, chunk in plan.chunks:
+            self.planner.chunk_answered(request, chunk)
             event, reason = self._append_token(request, tokens[request.request_id])
             if reason is not None:
                 ended[request.request_id] = (event, reason)
@@ -108,10 +110,12 @@ class Applier:
         return finished
 
     def _take_prefill(self, chunks: list[Planned], results: Sequence[TokenResult]) -> list[Finished]:
-        """Each finished prompt's first token: its request is ready for decode."""
+        """Each chunk's blocks and snapshots join the prefix cache; each finished prompt's first
+        token: its request is ready for decode."""
         tokens = {result.request_id: result for result in results}
         finished: list[Finished] = []
         for request, chunk in chunks:
+            self.planner.chunk_answered(request, chunk)
             if not chunk.last:
                 continue
             self.planner.prompt_done(request)
