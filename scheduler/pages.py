@@ -35,9 +35,6 @@ class PagePool:
     def used(self) -> int:
         return len(self._owned)
 
-    def can_allocate(self, count: int) -> bool:
-        return count <= len(self._free)
-
     def allocate(self, count: int) -> list[int]:
         if count > len(self._free):
             raise RuntimeError(
