@@ -26,11 +26,11 @@ never reads state saved in the same or a later command.
 from __future__ import annotations
 
 import hashlib
-from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from phalanx.protocol.messages import StateSnapshot
+from phalanx.protocol.packing import pack_ids
 from phalanx.scheduler.pages import PagePool
 
 _ROOT_KEY = 0  # the key "before" block 0
@@ -39,13 +39,11 @@ _ROOT_KEY = 0  # the key "before" block 0
 def block_keys(prompt: list[int], page_size: int) -> list[int]:
     """The key of each full block of ``prompt``: a signed 64-bit blake2b digest of the previous
     block's key and the block's token ids (little-endian int32)."""
-    tokens = array("i", prompt)
-    if array("i", [1]).tobytes() != (1).to_bytes(4, "little"):
-        tokens.byteswap()
+    tokens, width = pack_ids(prompt), 4 * page_size
     keys, key = [], _ROOT_KEY
-    for start in range(0, len(prompt) - page_size + 1, page_size):
+    for start in range(0, len(tokens) - width + 1, width):
         digest = hashlib.blake2b(key.to_bytes(8, "little", signed=True), digest_size=8)
-        digest.update(tokens[start : start + page_size].tobytes())
+        digest.update(tokens[start : start + width])
         key = int.from_bytes(digest.digest(), "little", signed=True)
         keys.append(key)
     return keys
