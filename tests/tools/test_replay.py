@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from phalanx.engine.engine import EngineConfig, FinishEvent, GenerationParams, launch
@@ -37,6 +39,7 @@ from phalanx.protocol.trace import open_trace, read_trace
 from phalanx.scheduler.requests import Request
 from phalanx.scheduler.scheduler import Scheduler
 from phalanx.tools.cli import main as phalanx
+from phalanx.tools.replay.run import replay_config
 from phalanx.tools.replay.show import describe_body
 
 EPOCH = 9
@@ -271,6 +274,22 @@ def _assert_the_whole_startup_is_shown(trace: Path, capsys: pytest.CaptureFixtur
         assert len(nonce) == 32, lines[challenge]
     assert ops[-1] == ("->all", "go"), lines
     assert sum(op == "challenge" for _peer, op in ops) == 2
+
+
+def test_fresh_ranks_keep_as_many_snapshot_slots_as_the_recorded_ones(tmp_path: Path) -> None:
+    """The trace's restores and saves name the recorded ranks' snapshot slots."""
+    args = argparse.Namespace(model="m", tp=2, device="cpu", step_timeout=60.0, record=None)
+    configs = []
+    for slots in (5, 0):
+        path = tmp_path / f"snapshots-{slots}.trace"
+        with open_trace(path, epoch=EPOCH, world_size=2, meta={"tp": 2}) as w:
+            w.sent(
+                _cmd(0, Go(msgspec.structs.replace(CAP, snapshot_slots=slots), "tcp://127.0.0.1:1", "gloo"))
+            )
+        configs.append(replay_config(read_trace(path), args))
+    given, off = configs
+    assert (given.kv_pages, given.max_slots, given.prefix_cache, given.prefix_snapshots) == (8, 2, True, 5)
+    assert (off.prefix_cache, off.prefix_snapshots) == (False, 0)
 
 
 def test_replay_comparison_reports_a_changed_token_and_a_lost_failure() -> None:
