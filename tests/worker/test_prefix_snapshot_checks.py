@@ -14,7 +14,7 @@ from phalanx.worker.prefill_waves import Segment, split_waves
 from phalanx.worker.request_table import Phase, RequestState
 from phalanx.worker.snapshots import HeldSnapshot
 from phalanx.worker.step_plans import ChunkPlan
-from tests.worker.test_prefix_snapshots import PAGE, chunk, snapshot_runner
+from tests.support.snapshot_runner import PAGE, chunk, snapshot_runner
 
 PAGES = list(range(8))
 

@@ -8,33 +8,29 @@ prompt on a second copy of the model.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch
 
 from phalanx.models.qwen35 import Qwen35Model
-from phalanx.protocol.messages import (
-    MAX_LOGPROBS,
-    DecodeRow,
-    PrefillChunk,
-    SamplingParams,
-    StateSnapshot,
-    TokenResult,
-)
+from phalanx.protocol.messages import DecodeRow, DropRequest, Expectation, StateSnapshot
 from phalanx.protocol.packing import pack_ids
-from phalanx.worker.buckets import state_slot_layout
-from phalanx.worker.commands import StepRunner
-from phalanx.worker.snapshots import HeldSnapshot, SnapshotTable
-
-PAGE = 4
-MAX_SLOTS = 3
-KV_PAGES = 40
-SNAPSHOTS = 4
-DECODE_STEPS = 3
-SAMPLING = SamplingParams(logprobs=MAX_LOGPROBS)
-CPU = torch.device("cpu")
+from phalanx.worker.snapshots import HeldSnapshot
+from tests.support.snapshot_runner import (
+    DECODE_STEPS,
+    SAMPLING,
+    SNAPSHOTS,
+    Outcome,
+    assert_same,
+    assert_states_equal,
+    chunk,
+    outcome,
+    pages_for,
+    prompt,
+    snapshot_runner,
+    states,
+    uninterrupted,
+)
 
 
 @pytest.fixture(scope="module")
@@ -42,96 +38,6 @@ def reference(tiny_model_dir: Path) -> Qwen35Model:
     """A second copy of the model for the uninterrupted prefills (each test's runner owns the
     first one's cache)."""
     return Qwen35Model.load(tiny_model_dir)
-
-
-def snapshot_runner(model: Qwen35Model, snapshots: int = SNAPSHOTS) -> StepRunner:
-    layout = state_slot_layout(MAX_SLOTS, cuda_graph=False, snapshot_slots=snapshots)
-    model.allocate_cache(KV_PAGES + 1, PAGE, layout.total)
-    table = SnapshotTable(layout.snapshot_base, snapshots)
-    return StepRunner(model, CPU, 0, PAGE, KV_PAGES, MAX_SLOTS, 64, table)
-
-
-def chunk(
-    request_id: int,
-    tokens: list[int],
-    start: int,
-    pages: list[int],
-    last: bool = True,
-    restore: StateSnapshot | None = None,
-    save: tuple[StateSnapshot, ...] = (),
-    prompt_logprobs: int | None = None,
-) -> PrefillChunk:
-    return PrefillChunk(
-        request_id,
-        pack_ids(tokens),
-        start,
-        pack_ids(pages),
-        last,
-        SAMPLING,
-        prompt_logprobs=prompt_logprobs,
-        restore=restore,
-        save=list(save),
-    )
-
-
-def prompt(seed: int, length: int) -> list[int]:
-    return torch.randint(0, 384, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def pages_for(first: int, tokens: int) -> list[int]:
-    return list(range(first, first + -(-tokens // PAGE)))
-
-
-def states(model: Qwen35Model, slot: int) -> list[torch.Tensor]:
-    """Every linear-attention layer's recurrent and conv state in ``slot``."""
-    out = []
-    for gdn in (layer.linear_attention for layer in model.layers if layer.linear_attention):
-        out += [gdn.recurrent_state[slot].clone(), gdn.conv_state[slot].clone()]
-    return out
-
-
-@dataclass
-class Outcome:
-    results: list[TokenResult]  # the prompt's first token, then DECODE_STEPS greedy decodes
-    state: list[torch.Tensor]  # right after the prompt's prefill
-
-
-def decode_on(
-    runner: StepRunner, request_id: int, slot: int, first: TokenResult, position: int, pages: list[int]
-) -> list[TokenResult]:
-    results = [first]
-    for step in range(DECODE_STEPS):
-        row = DecodeRow(request_id, slot, results[-1].token, position + step, pack_ids(pages), SAMPLING)
-        results += runner.decode([row]).results()
-    return results
-
-
-def uninterrupted(reference: Qwen35Model, tokens: list[int]) -> Outcome:
-    runner = snapshot_runner(reference)
-    pages = pages_for(0, len(tokens) + DECODE_STEPS)
-    (first,) = runner.prefill([chunk(1, tokens, 0, pages)]).results
-    state = states(reference, runner.requests.requests[1].state_slot)
-    return Outcome(decode_on(runner, 1, 0, first, len(tokens), pages), state)
-
-
-def outcome(
-    runner: StepRunner, request_id: int, first: TokenResult, slot: int, length: int, pages: list[int]
-) -> Outcome:
-    state = states(runner.model, runner.requests.requests[request_id].state_slot)
-    return Outcome(decode_on(runner, request_id, slot, first, length, pages), state)
-
-
-def assert_states_equal(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
-    for got_part, want_part in zip(got, want, strict=True):
-        torch.testing.assert_close(got_part, want_part, rtol=1e-4, atol=1e-5)
-
-
-def assert_same(got: Outcome, want: Outcome) -> None:
-    assert_states_equal(got.state, want.state)
-    assert [r.token for r in got.results] == [r.token for r in want.results]
-    for got_result, want_result in zip(got.results, want.results, strict=True):
-        assert got_result.top_ids == want_result.top_ids
-        assert got_result.top_logprobs == pytest.approx(want_result.top_logprobs, abs=1e-4)
 
 
 def test_a_save_mid_chunk_and_a_restore_match_uninterrupted_prefills(
@@ -207,3 +113,37 @@ def test_prompt_logprobs_beside_a_chunk_that_saves_score_the_same(model: Qwen35M
     assert (got.request_id, got.start, got.ranks, got.top_ids) == (5, 1, want.ranks, want.top_ids)
     assert got.logprobs == pytest.approx(want.logprobs, abs=1e-5)
     assert beside.results[1].token == alone.results[0].token
+
+
+def test_graph_decode_and_a_dropped_resumed_request_leave_the_snapshot_alone(
+    model: Qwen35Model, reference: Qwen35Model
+) -> None:
+    """In graph mode three rows pad to the bucket of 4 through the spare slot right below the
+    snapshot slots; a request dropped right after its restore (a cancel) leaves the snapshot for
+    the next request that resumes from it."""
+    shared, other = prompt(8, 14), prompt(9, 10)
+    resumed = shared[:8] + prompt(10, 5)
+    want = uninterrupted(reference, resumed)
+    want_at_8 = uninterrupted(reference, shared[:8]).state
+    runner = snapshot_runner(model, graphs=True)
+    pages = {1: pages_for(0, 20), 2: pages_for(5, 20), 4: pages_for(0, 8) + pages_for(10, 12)}
+    firsts = runner.prefill(
+        [chunk(1, shared, 0, pages[1], save=(StateSnapshot(0, 3, 8),)), chunk(2, other, 0, pages[2])]
+    ).results
+    resume = StateSnapshot(0, 3, 8)
+    runner.prefill([chunk(3, resumed[8:], 8, pages[4], restore=resume)])
+    assert runner.drop(DropRequest(3, Expectation.MUST_EXIST)) is True
+    (first,) = runner.prefill([chunk(4, resumed[8:], 8, pages[4], restore=resume)]).results
+    assert_states_equal(states(model, runner.requests.requests[4].state_slot), want.state)
+    results = {1: [firsts[0]], 2: [firsts[1]], 4: [first]}
+    lengths = {1: len(shared), 2: len(other), 4: len(resumed)}
+    for step in range(DECODE_STEPS):
+        rows = [
+            DecodeRow(r, slot, results[r][-1].token, lengths[r] + step, pack_ids(pages[r]), SAMPLING)
+            for slot, r in enumerate((1, 2, 4))
+        ]
+        for result in runner.decode(rows).results():
+            results[result.request_id].append(result)
+    assert_same(Outcome(results[4], want.state), want)
+    assert runner.snapshots.held(0) == HeldSnapshot(3, 8)
+    assert_states_equal(states(model, runner.snapshots.state_slot(0)), want_at_8)
