@@ -113,6 +113,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help=f"KV pages per rank (default: {CacheConfig.kv_pages} on cpu; on cuda as many as memory allows)",
     )
+    add_prefix_cache_arguments(parser)
+
+
+def add_prefix_cache_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--no-prefix-cache`` and ``--prefix-snapshots``, for serve and for a worker alike."""
     parser.add_argument(
         "--no-prefix-cache",
         dest="prefix_cache",

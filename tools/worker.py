@@ -31,6 +31,7 @@ from phalanx.tools.launch_options import (
     DEVICE_HELP,
     add_batch_arguments,
     add_log_arguments,
+    add_prefix_cache_arguments,
     memory_fraction,
 )
 
@@ -59,18 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="torch dtype name (default: float32 on cpu, bfloat16 on cuda)",
     )
     parser.add_argument("--kv-pages", type=int, default=0, help="KV pages cap (0 on cuda: as many as fit)")
-    parser.add_argument(
-        "--no-prefix-cache",
-        dest="prefix_cache",
-        action="store_false",
-        help="keep no prefix-cache state snapshots (the replica's cache is then off)",
-    )
-    parser.add_argument(
-        "--prefix-snapshots",
-        type=int,
-        default=CacheConfig.prefix_snapshots,
-        help="prefix-cache state snapshots on this rank (0: a tenth of the cache memory on cuda)",
-    )
+    add_prefix_cache_arguments(parser)
     add_batch_arguments(parser)
     parser.add_argument(
         "--gpu-memory-utilization",
@@ -140,7 +130,7 @@ def _replica(args: argparse.Namespace) -> ReplicaConfig:
             args.page_size,
             args.gpu_memory_utilization,
             args.prefix_cache,
-            args.prefix_snapshots,
+            args.prefix_snapshots or 0,
         ),
         scheduling=SchedulingConfig(args.max_slots or 0, args.max_batch_tokens),
         timeouts=Timeouts(

@@ -94,7 +94,11 @@ def test_the_command_line_defaults_are_the_tree_s() -> None:
         Timeouts.step_timeout,
     )
     assert serve.gpu_memory_utilization == CacheConfig.gpu_memory_utilization
+    assert (serve.prefix_cache, serve.prefix_snapshots) == (CacheConfig.prefix_cache, None)
     worker = command_parser("worker").parse_args(["--model", "m"])
+    assert (worker.prefix_cache, worker.prefix_snapshots) == (CacheConfig.prefix_cache, None)
+    off = command_parser("worker").parse_args(["--model", "m", "--no-prefix-cache"])
+    assert off.prefix_cache is False
     assert (worker.dist_init_timeout, worker.gate_timeout, worker.coordinator_grace) == (
         Timeouts.dist_init_timeout,
         Timeouts.gate_timeout,
