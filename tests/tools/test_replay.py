@@ -31,6 +31,7 @@ from phalanx.protocol import (
     Ready,
     ReplyEnvelope,
     SlotMove,
+    StateSnapshot,
     TokenResult,
     encode,
     pack_ids,
@@ -316,3 +317,10 @@ def test_show_names_a_fed_token() -> None:
 def test_show_names_the_slot_a_prefill_chunk_feeds() -> None:
     body = Prefill([PrefillChunk(3, pack_ids([1, 2]), 0, pack_ids([0]), True, feed_slot=1)])
     assert describe_body(body) == "1 chunks: r3[0:2]pages=1+last->s1"
+
+
+def test_show_names_the_snapshots_a_prefill_chunk_restores_and_saves() -> None:
+    saves = [StateSnapshot(2, -5, 16), StateSnapshot(0, 9, 24)]
+    chunk = PrefillChunk(3, pack_ids([1] * 20), 8, pack_ids([0, 1, 2, 3, 4, 5, 6]), True)
+    body = Prefill([msgspec.structs.replace(chunk, restore=StateSnapshot(1, 4, 8), save=saves)])
+    assert describe_body(body) == "1 chunks: r3[8:28]pages=7+last<snap1#4>snap2#-5@16>snap0#9@24"
