@@ -1,7 +1,7 @@
 """Prefix snapshots through real rank processes at TP 2 (gloo): each rank reports its snapshot
 slots, saves its shard of the linear-attention state mid-chunk and restores it for another prompt
 over the shared KV pages; greedy tokens and logprobs equal an uninterrupted in-process prefill.
-With the prefix cache off the ranks report no snapshot slots and refuse a save."""
+With the prefix cache off the ranks report no snapshot slots."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from phalanx.executor.errors import ExecutorPoisoned
+from phalanx.executor.errors import StepRejected
 from phalanx.executor.launcher import launch_executor
 from phalanx.protocol.messages import Decode, DecodeRow, Prefill, PrefillChunk, StateSnapshot, TokenResult
 from phalanx.protocol.packing import pack_ids
@@ -57,9 +57,13 @@ def test_a_restore_at_tp2_matches_an_uninterrupted_prefill(tiny_model_dir: Path)
 
 
 def test_ranks_without_a_prefix_cache_report_no_snapshot_slots(tiny_model_dir: Path) -> None:
+    """A save is then refused before any rank sees it, and the replica serves on."""
     with launch_executor(small_config(tiny_model_dir, 1, prefix_cache=False)) as ex:
         assert ex.capacity.snapshot_slots == 0
+        saving = prefill(1, SHARED, 0, [0, 1, 2, 3], save=[StateSnapshot(0, 77, 8)])
         with pytest.raises(
-            ExecutorPoisoned, match="request 1 saves snapshot slot 0 outside the worker's 0 snapshot slots"
+            StepRejected, match="^prefill chunk for request 1 names snapshot slot 0; the ranks keep 0$"
         ):
-            ex.call(prefill(1, SHARED, 0, [0, 1, 2, 3], save=[StateSnapshot(0, 77, 8)]))
+            ex.call(saving)
+        (first,) = ex.call(prefill(1, SHARED, 0, [0, 1, 2, 3])).results
+        assert_matches([first], reference_generation(tiny_model_dir, SHARED, 1))
