@@ -77,3 +77,21 @@ def test_prefill_extent_checks(model: Qwen35Model) -> None:
         ValueError, match=r"rank 0: prefill token id 512 is outside the vocabulary \[0, 512\)"
     ):
         model.prefill(PrefillBatch.build([([1, 512], 0, 0, [0])]))
+
+
+def test_a_state_copied_away_and_back_resumes_the_prefill_exactly(model: Qwen35Model) -> None:
+    """A prefix cache hit at the model's level: the state after 16 tokens is copied into a spare
+    slot, its own slot is reused, and a third slot resumes from the copy over the prefix's KV
+    pages: every logit and the final state match one uninterrupted prefill (fp32)."""
+    model.allocate_cache(num_pages_total=16, page_size=8, num_state_slots=4)
+    prompt = list(range(3, 40))
+    whole = model.prefill(PrefillBatch.build([(prompt, 0, 0, [1, 2, 3, 4, 5])]), all_logits=True)
+    head = model.prefill(PrefillBatch.build([(prompt[:16], 0, 1, [6, 7])]), all_logits=True)
+    model.copy_state(1, 3)  # the snapshot
+    model.prefill(PrefillBatch.build([(list(range(50, 60)), 0, 1, [8, 9])]))  # slot 1 reused
+    model.copy_state(3, 2)  # the restore
+    tail = model.prefill(PrefillBatch.build([(prompt[16:], 16, 2, [6, 7, 10, 11, 12])]), all_logits=True)
+    torch.testing.assert_close(torch.cat([head, tail]), whole, rtol=1e-4, atol=1e-4)
+    for gdn in (layer.linear_attention for layer in model.layers if layer.linear_attention):
+        torch.testing.assert_close(gdn.recurrent_state[2], gdn.recurrent_state[0], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(gdn.conv_state[2], gdn.conv_state[0], rtol=1e-4, atol=1e-5)
