@@ -14,7 +14,7 @@ import httpx
 
 from phalanx.tools.bench import serve as bench_serve
 from phalanx.tools.cli import main as phalanx
-from tests.support.live_server import serve_process
+from tests.support.live_server import metric, serve_process
 
 
 def test_bench_serve_against_the_demo_server(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -43,6 +43,7 @@ def test_bench_serve_against_the_demo_server(tiny_model_dir: Path, tmp_path: Pat
         chat_out = tmp_path / "bench_chat.json"
         chat = ["--output-len", "2", "--shared-prefix-len", "16", "--turns", "3", "--prompt-kind", "text"]
         assert phalanx([*argv, *chat, "--out", str(chat_out)]) == 0
+        hits = metric(base_url, "phalanx_prefix_cache_hits_total")
     result = json.loads(out.read_text())
     assert result["model"] == "tiny-demo"
     assert (result["completed"], result["failed"], result["total_output_tokens"]) == (8, 0, 48)
