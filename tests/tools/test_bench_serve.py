@@ -56,6 +56,7 @@ def test_bench_serve_against_the_demo_server(tiny_model_dir: Path, tmp_path: Pat
     chat_result = json.loads(chat_out.read_text())
     assert (chat_result["completed"], chat_result["failed"], chat_result["turns"]) == (24, 0, 3)
     assert chat_result["ttft_ms_first_turn"]["p50"] > 0 and chat_result["ttft_ms_later_turns"]["p50"] > 0
+    assert hits >= 16  # every later turn restores at least its conversation's last prompt
 
 
 def test_bench_serve_reports_an_unreachable_server(tmp_path: Path) -> None:
