@@ -1,7 +1,9 @@
 """Checking and executing the step commands on one rank: Prefill, Decode, Unified, DropRequest.
 
 Every command is first checked against this rank's state (unknown request, phase, cached
-length, page coverage, slot owner); a mismatch raises WorkerStateError before any model work.
+length, page coverage, slot owner, what a restored snapshot slot holds); a mismatch raises
+WorkerStateError before any model work. A prefill's model work, with the prefix cache's restores
+and saves, runs in ``worker/prefill_waves.py``; the snapshot checks are ``worker/snapshots.py``'s.
 Rank 0 samples and returns TokenResults; other ranks return None (the loop answers Ack). A Decode
 or Unified on rank 0 returns its step still in flight (``PendingStep``, ``worker/pending_steps.py``):
 the loop answers it once its tokens are on the host, after launching the next Decode or Unified if
