@@ -64,7 +64,7 @@ class StepRunner:
         self.max_batch_tokens = max_batch_tokens
         self.requests = RequestTable(max_slots)
         self.slots = SlotTable(max_slots)
-        self.snapshots = snapshots or SnapshotTable()  # the prefix cache's (none: caching is off)
+        self.snapshots = SnapshotTable() if snapshots is None else snapshots  # none: the prefix cache is off
         self.graphs: DecodeGraphRunner | None = None  # set in graph mode (worker.graphs)
         self.grammars: GrammarTable | None = None  # rank 0's constrained requests (worker.grammar)
         self._fed_tokens = torch.zeros(max_slots, dtype=torch.int64, device=device)
