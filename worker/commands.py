@@ -1,7 +1,9 @@
 """Checking and executing the step commands on one rank: Prefill, Decode, Unified, DropRequest.
 
 Every command is first checked against this rank's state (unknown request, phase, cached
-length, page coverage, slot owner); a mismatch raises WorkerStateError before any model work.
+length, page coverage, slot owner, what a restored snapshot slot holds); a mismatch raises
+WorkerStateError before any model work. A prefill's model work, with the prefix cache's restores
+and saves, runs in ``worker/prefill_waves.py``; the snapshot checks are ``worker/snapshots.py``'s.
 Rank 0 samples and returns TokenResults; other ranks return None (the loop answers Ack). A Decode
 or Unified on rank 0 returns its step still in flight (``PendingStep``, ``worker/pending_steps.py``):
 the loop answers it once its tokens are on the host, after launching the next Decode or Unified if
@@ -62,7 +64,7 @@ class StepRunner:
         self.max_batch_tokens = max_batch_tokens
         self.requests = RequestTable(max_slots)
         self.slots = SlotTable(max_slots)
-        self.snapshots = snapshots or SnapshotTable()  # the prefix cache's (none: caching is off)
+        self.snapshots = SnapshotTable() if snapshots is None else snapshots  # none: the prefix cache is off
         self.graphs: DecodeGraphRunner | None = None  # set in graph mode (worker.graphs)
         self.grammars: GrammarTable | None = None  # rank 0's constrained requests (worker.grammar)
         self._fed_tokens = torch.zeros(max_slots, dtype=torch.int64, device=device)
