@@ -67,11 +67,19 @@ class CacheConfig:
     kv_pages: int = 512  # per rank, besides the padding page; 0 on cuda: as many as fit
     page_size: int = 16  # tokens per KV page
     gpu_memory_utilization: float = 0.9  # cuda: the fraction of each GPU's memory a rank may use
+    prefix_cache: bool = True  # reuse the KV pages and linear-attention state of cached prompt prefixes
+    prefix_snapshots: int = 0  # state snapshots per rank; 0: sized by the rank (phalanx.worker.capacity)
 
     def __post_init__(self) -> None:
         _check_positive(self, "page_size")
         if self.kv_pages < 0:
             raise ValueError(_AS_MANY_AS_FIT.format(name="kv_pages", value=self.kv_pages))
+        if self.prefix_snapshots < 0:
+            raise ValueError(
+                f"prefix_snapshots must be 0 (sized by each rank) or more, got {self.prefix_snapshots}"
+            )
+        if self.prefix_snapshots and not self.prefix_cache:
+            raise ValueError(f"prefix_snapshots {self.prefix_snapshots} given with the prefix cache off")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization must be above 0 and at most 1, got {self.gpu_memory_utilization:g}"
@@ -83,9 +91,10 @@ class SchedulingConfig:
     max_slots: int = 16  # requests decoding at once; 0 on cuda: up to the largest graph bucket that fits
     max_batch_tokens: int = 2048  # prompt tokens of one prefill step
     pipeline: bool = True  # send each decode step before reading the last one's result
+    prefix_snapshot_interval: int = 1024  # prompt tokens between prefix-cache state snapshots (whole pages)
 
     def __post_init__(self) -> None:
-        _check_positive(self, "max_batch_tokens")
+        _check_positive(self, "max_batch_tokens", "prefix_snapshot_interval")
         if self.max_slots < 0:
             raise ValueError(_AS_MANY_AS_FIT.format(name="max_slots", value=self.max_slots))
 

@@ -14,6 +14,7 @@ rejects (one of its own values it cannot serve) ends alone, with an ``ErrorEvent
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import numbers
 import queue
 import threading
@@ -24,12 +25,13 @@ from typing import Any, Protocol
 
 import structlog
 
-from phalanx.config.replica import ReplicaConfig, Timeouts
+from phalanx.config.replica import ReplicaConfig, SchedulingConfig, Timeouts
 from phalanx.engine.prompt_only import prompt_only
 from phalanx.engine.stream import RequestStream
 from phalanx.executor.errors import ExecutorPoisoned
 from phalanx.protocol.messages import Ping
 from phalanx.scheduler.events import ErrorEvent, Event, FinishEvent, PromptLogprobsEvent, TokenEvent
+from phalanx.scheduler.prefix_cache import PrefixCacheStats
 from phalanx.scheduler.requests import GenerationParams, Request, RequestIds
 from phalanx.scheduler.scheduler import Scheduler, SchedulerStats
 from phalanx.scheduler.step_contract import StepExecutor
@@ -43,6 +45,7 @@ __all__ = [
     "Event",
     "FinishEvent",
     "GenerationParams",
+    "PrefixCacheStats",
     "PromptLogprobsEvent",
     "RequestStream",
     "TokenEvent",
@@ -97,6 +100,7 @@ class Engine:
         *,
         pipeline: bool = False,
         max_model_len: int = 0,
+        prefix_snapshot_interval: int = SchedulingConfig.prefix_snapshot_interval,
     ) -> None:
         self._executor = executor
         self._idle_ping_interval = idle_ping_interval
@@ -114,7 +118,12 @@ class Engine:
             model_name=Path(model_dir).name or "model",
             model_dir=str(model_dir),
         )
-        self._scheduler = Scheduler(executor, self.model_info.eos_token_ids, pipeline=pipeline)
+        self._scheduler = Scheduler(
+            executor,
+            self.model_info.eos_token_ids,
+            pipeline=pipeline,
+            prefix_snapshot_interval=prefix_snapshot_interval,
+        )
         self._ids = RequestIds()
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -141,6 +150,7 @@ class Engine:
                 config.timeouts.idle_ping_interval,
                 pipeline=config.scheduling.pipeline,
                 max_model_len=config.model.max_model_len,
+                prefix_snapshot_interval=config.scheduling.prefix_snapshot_interval,
             )
         except BaseException:
             executor.shutdown()
@@ -287,8 +297,9 @@ class Engine:
         log.error("engine poisoned", reason=reason)
         self.poison_reason = reason
         self._close(f"engine is poisoned: {reason}")
-        self._stats = EngineStats(
-            0, 0, 0, self._stats.kv_pages_total, 0, self._stats.slots_total, self._stats.steps, 0.0
+        # Occupancy drops to nothing; the totals and counters keep their last values.
+        self._stats = dataclasses.replace(
+            self._stats, running=0, waiting=0, kv_pages_used=0, slots_used=0, last_step_seconds=0.0
         )
         self._executor.shutdown()
 

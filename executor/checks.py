@@ -3,6 +3,8 @@ coordinator can prove the command wrong without asking any rank."""
 
 from __future__ import annotations
 
+import itertools
+
 from phalanx.executor.errors import StepRejected
 from phalanx.protocol.messages import (
     FED_TOKEN,
@@ -57,6 +59,7 @@ def check_prefill(
     _unique(op, [chunk.request_id for chunk in chunks])
     total = 0
     fed: set[int] = set()
+    saved: set[int] = set()
     for chunk in chunks:
         _request_id(op, chunk.request_id)
         if len(chunk.tokens) % 4:
@@ -76,7 +79,7 @@ def check_prefill(
         _pages(op, chunk.request_id, chunk.page_ids, chunk.start + len(tokens), capacity)
         _feed_slot(op, chunk, capacity, fed)
         _prompt_logprobs(op, chunk, vocab_size)
-        _snapshots(op, chunk, capacity, len(tokens))
+        _snapshots(op, chunk, len(tokens), capacity, saved)
     if total > capacity.max_batch_tokens:
         raise StepRejected(f"{op} has {total} tokens, exceeding max_batch_tokens {capacity.max_batch_tokens}")
 
@@ -111,30 +114,39 @@ def _prompt_logprobs(op: str, chunk: PrefillChunk, vocab_size: int) -> None:
         raise StepRejected(f"{where} carries a grammar but is not its prompt's last chunk")
 
 
-def _snapshots(op: str, chunk: PrefillChunk, capacity: Capacity, length: int) -> None:
+def _snapshots(op: str, chunk: PrefillChunk, length: int, capacity: Capacity, saved: set[int]) -> None:
+    """Snapshot slots the ranks keep, a restore at the chunk's start on a page boundary past 0,
+    saves inside the chunk in order and each slot saved once (what the slots hold, the ranks check)."""
     where = f"{op} chunk for request {chunk.request_id}"
-    named = ([chunk.restore] if chunk.restore is not None else []) + list(chunk.save)
-    for snapshot in named:
-        if not 0 <= snapshot.slot < capacity.snapshot_slots:
+    restore = [chunk.restore] if chunk.restore is not None else []
+    for snapshot in restore + chunk.save:
+        if snapshot.slot >= capacity.snapshot_slots:
             raise StepRejected(
-                f"{where} names snapshot slot {snapshot.slot}, outside the ranks' {capacity.snapshot_slots} snapshot slots"
+                f"{where} names snapshot slot {snapshot.slot}; the ranks keep {capacity.snapshot_slots}"
             )
-    restore = chunk.restore
-    if restore is not None and (restore.position != chunk.start or chunk.start % capacity.page_size):
-        raise StepRejected(
-            f"{where} starts at {chunk.start} but restores a snapshot at position {restore.position} "
-            f"(a cached prefix is whole pages of {capacity.page_size})"
-        )
-    positions = [snapshot.position for snapshot in chunk.save]
-    if positions != sorted(set(positions)) or any(
-        not chunk.start < position <= chunk.start + length for position in positions
+    if chunk.restore is not None and not (
+        chunk.restore.position == chunk.start > 0 and chunk.start % capacity.page_size == 0
     ):
         raise StepRejected(
-            f"{where} saves at positions {positions}, not ascending inside "
+            f"{where} starts at {chunk.start} but restores a snapshot at position {chunk.restore.position} "
+            f"(a page boundary past 0)"
+        )
+    positions = [save.position for save in chunk.save]
+    bounds = [chunk.start, *positions]
+    if positions and (
+        any(later <= earlier for earlier, later in itertools.pairwise(bounds))
+        or positions[-1] > chunk.start + length
+    ):
+        raise StepRejected(
+            f"{where} saves snapshots at positions {positions}, not ascending inside "
             f"({chunk.start}, {chunk.start + length}]"
         )
     if positions and chunk.prompt_logprobs is not None:
-        raise StepRejected(f"{where} saves a snapshot and asks for prompt logprobs")
+        raise StepRejected(f"{where} saves snapshots and asks for prompt logprobs")
+    for save in chunk.save:
+        if save.slot in saved:
+            raise StepRejected(f"{op} saves snapshot slot {save.slot} twice")
+        saved.add(save.slot)
 
 
 def check_decode(rows: list[DecodeRow], capacity: Capacity, vocab_size: int, op: str = "decode") -> None:

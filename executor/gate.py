@@ -46,6 +46,7 @@ def effective_capacity(ready: dict[int, Ready]) -> Capacity:
         page_size=capacities[0].page_size,
         max_slots=min(capacity.max_slots for capacity in capacities),
         max_batch_tokens=min(capacity.max_batch_tokens for capacity in capacities),
+        snapshot_slots=min(capacity.snapshot_slots for capacity in capacities),
     )
     if effective.kv_pages < 1 or effective.max_slots < 1 or effective.max_batch_tokens < 1:
         raise StartupError(

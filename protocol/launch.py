@@ -26,6 +26,8 @@ class WorkerLimits(msgspec.Struct, frozen=True):
     max_slots: int
     max_batch_tokens: int
     gpu_memory_utilization: float  # the fraction of the GPU's total memory this rank may use
+    prefix_cache: bool = True  # False: no prefix-cache snapshot slots (Capacity.snapshot_slots 0)
+    prefix_snapshots: int = 0  # snapshot slots; 0: as the rank sizes them (phalanx.worker.capacity)
 
 
 class WorkerConfig(msgspec.Struct, frozen=True):
@@ -69,6 +71,8 @@ def rank_config(
             max_slots=replica.scheduling.max_slots,
             max_batch_tokens=replica.scheduling.max_batch_tokens,
             gpu_memory_utilization=replica.cache.gpu_memory_utilization,
+            prefix_cache=replica.cache.prefix_cache,
+            prefix_snapshots=replica.cache.prefix_snapshots,
         ),
         device=replica.parallel.device,
         local_rank=local_rank,

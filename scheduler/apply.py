@@ -4,9 +4,11 @@ The executor has already checked the reply against its command (one token per de
 last prompt chunk, one prompt-logprob span per chunk that asked), so each token is matched to its
 request by id here. A token that finishes its request (a stop id, end of sequence, max_tokens) is
 held, and published with the finish event only once every rank acknowledged the request's drop,
-so a client never sees a request complete whose state a rank still holds. A request the reply
-rejects (rank 0 cannot serve one of its values, ``protocol.replies``) ends the same way, with an
-error instead: it is dropped, then its stream gets the ErrorEvent naming it and the reason.
+so a client never sees a request complete whose state a rank still holds. A chunk's full blocks
+and state snapshots join the prefix cache here, once its answer is read, never when it is sent. A
+request the reply rejects (rank 0 cannot serve one of its values, ``protocol.replies``) ends the
+same way, with an error instead: it is dropped, then its stream gets the ErrorEvent naming it and
+the reason; nothing its chunk wrote joins the prefix cache.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import structlog
 
 from phalanx.protocol.messages import (
     DecodeDone,
+    PrefillChunk,
     PrefillDone,
     PromptLogprobs,
     Reply,
@@ -112,8 +115,8 @@ class Applier:
         ended: dict[int, tuple[TokenEvent | None, Ending]] = {
             request_id: (None, error) for request_id, error in rejected.items()
         }
-        for request, _ in plan.chunks:
-            if request.request_id in rejected:
+        for request, chunk in plan.chunks:
+            if self._answered(request, chunk, rejected):
                 continue
             event, reason = self._append_token(request, tokens[request.request_id])
             if reason is not None:
@@ -147,6 +150,15 @@ class Applier:
                 finished.append((row.slot, request, event, reason))
         return finished
 
+    def _answered(self, request: Request, chunk: PrefillChunk, rejected: dict[int, ErrorEvent]) -> bool:
+        """Hand the chunk's blocks and snapshots to the prefix cache, or drop them if the request
+        was rejected; returns whether it was."""
+        if request.request_id in rejected:
+            self.planner.chunk_rejected(chunk)
+            return True
+        self.planner.chunk_answered(request, chunk)
+        return False
+
     def _take_prefill(
         self,
         chunks: list[Planned],
@@ -154,14 +166,16 @@ class Applier:
         rejected: dict[int, ErrorEvent],
         ended: Collection[int],
     ) -> list[Finished]:
-        """Each finished prompt's first token: its request is ready for decode."""
+        """Each chunk's blocks and snapshots join the prefix cache; each finished prompt's first
+        token: its request is ready for decode."""
         tokens = {result.request_id: result for result in results}
         finished: list[Finished] = []
         for request, chunk in chunks:
-            if request.request_id in ended:
+            if self._answered(request, chunk, rejected):
+                if request.request_id not in ended:
+                    finished.append((-1, request, None, rejected[request.request_id]))
                 continue
-            if request.request_id in rejected:
-                finished.append((-1, request, None, rejected[request.request_id]))
+            if request.request_id in ended:
                 continue
             if not chunk.last:
                 continue

@@ -2,7 +2,9 @@
 
 Usable page ids are ``0..kv_pages-1`` (id ``kv_pages`` is every rank's padding page and is never
 handed out). A request reserves all the pages it can ever need at admission, so nothing is
-evicted mid-flight and a full pool makes new requests wait instead of failing running ones.
+evicted mid-flight and a full pool makes new requests wait instead of failing running ones. A page
+a request filled with a full prompt block may be handed over to the prefix cache
+(scheduler.prefix_cache), which gives it back when it evicts the block.
 """
 
 from __future__ import annotations
@@ -33,9 +35,6 @@ class PagePool:
     def used(self) -> int:
         return len(self._owned)
 
-    def can_allocate(self, count: int) -> bool:
-        return count <= len(self._free)
-
     def allocate(self, count: int) -> list[int]:
         if count > len(self._free):
             raise RuntimeError(
@@ -51,3 +50,18 @@ class PagePool:
                 raise RuntimeError(f"page {page} released but not allocated")
             self._owned.remove(page)
         self._free.extend(reversed(pages))
+
+    def hand_over(self, pages: list[int]) -> None:
+        """Requests' pages the prefix cache now owns: neither used by a request nor free."""
+        for page in pages:
+            if page not in self._owned:
+                raise RuntimeError(f"page {page} handed over to the prefix cache but not allocated")
+            self._owned.remove(page)
+
+    def give_back(self, pages: list[int]) -> None:
+        """Pages the prefix cache evicted: free again."""
+        self._free.extend(reversed(pages))
+
+    @property
+    def free_pages(self) -> list[int]:
+        return list(self._free)

@@ -1,9 +1,9 @@
 """Planning: which requests hold pages and slots, and what the next step carries.
 
 The planner owns the request bookkeeping (waiting, prefilling, ready, the dense decode slots, the
-KV pages) and turns it into a ``StepPlan``: a decode row for every occupied slot, in slot order,
-and prompt chunks that fill what is left of the step's token budget. It sends nothing; the
-scheduler sends the plan's command and applies the reply (scheduler.apply).
+KV pages and the prefix cache) and turns it into a ``StepPlan``: a decode row for every occupied
+slot, in slot order, and prompt chunks that fill what is left of the step's token budget. It sends
+nothing; the scheduler sends the plan's command and applies the reply (scheduler.apply).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from phalanx.config.replica import SchedulingConfig
 from phalanx.protocol.messages import (
     FED_TOKEN,
     NO_TOKEN,
@@ -25,8 +26,9 @@ from phalanx.protocol.messages import (
     PrefillChunk,
     Unified,
 )
-from phalanx.protocol.packing import pack_ids
+from phalanx.protocol.packing import pack_ids, unpack_ids
 from phalanx.scheduler.pages import PagePool, pages_for_tokens
+from phalanx.scheduler.prefix_cache import PrefixCache
 from phalanx.scheduler.requests import Phase, Request
 from phalanx.scheduler.slots import DenseSlots
 
@@ -56,8 +58,14 @@ class StepPlan:
 
 
 class Planner:
-    def __init__(self, capacity: Capacity, max_batch_tokens: int) -> None:
+    def __init__(
+        self,
+        capacity: Capacity,
+        max_batch_tokens: int,
+        snapshot_interval: int = SchedulingConfig.prefix_snapshot_interval,
+    ) -> None:
         self.pages = PagePool(capacity.kv_pages, capacity.page_size)
+        self.cache = PrefixCache(self.pages, capacity.snapshot_slots, snapshot_interval)
         self.slots = DenseSlots(capacity.max_slots)
         self.max_batch_tokens = max_batch_tokens
         self.waiting: deque[Request] = deque()
@@ -95,14 +103,18 @@ class Planner:
 
     def admit(self) -> None:
         """Waiting requests, in FIFO order, while a decode slot and the pages for their whole
-        life (``prompt + max_tokens - 1`` positions) are free."""
+        life (``prompt + max_tokens - 1`` positions) are free or evictable from the prefix cache;
+        a request whose prompt starts with a cached prefix starts after it."""
         while self.waiting and self.slots_reserved() < self.slots.capacity:
             request = self.waiting[0]
             needed = pages_for_tokens(request.kv_tokens, self.pages.page_size)
-            if not self.pages.can_allocate(needed):
+            scored = request.params.prompt_logprobs is not None
+            pages = self.cache.admit(request.prefix, request.prompt, needed, scored)
+            if pages is None:
                 return  # FIFO: later requests wait behind the head rather than starve it
             self.waiting.popleft()
-            request.pages = self.pages.allocate(needed)
+            request.pages = pages
+            request.cursor = request.prefix.hit
             request.phase = Phase.PREFILLING
             self.prefilling.append(request)
 
@@ -177,6 +189,9 @@ class Planner:
 
     def _chunk(self, request: Request, end: int) -> PrefillChunk:
         last = end == len(request.prompt)
+        saves = []
+        if request.params.prompt_logprobs is None:
+            saves = self.cache.saves(request.prefix, len(request.prompt), request.cursor, end)
         return PrefillChunk(
             request_id=request.request_id,
             tokens=pack_ids(request.prompt[request.cursor : end]),
@@ -187,7 +202,19 @@ class Planner:
             prompt_logprobs=request.params.prompt_logprobs,
             next_token=NO_TOKEN if last else request.prompt[end],
             grammar=request.params.grammar if last else None,
+            restore=self.cache.restore_planned(request.prefix),
+            save=saves,
         )
+
+    def chunk_answered(self, request: Request, chunk: PrefillChunk) -> None:
+        """The ranks ran the chunk: its full blocks and snapshots join the prefix cache."""
+        end = chunk.start + len(unpack_ids(chunk.tokens))
+        self.cache.answered(request.prefix, request.pages, end, chunk.save)
+
+    def chunk_rejected(self, chunk: PrefillChunk) -> None:
+        """The ranks ran the chunk with stand-in values (rank 0 rejected its request): none of it
+        joins the prefix cache."""
+        self.cache.abandoned(chunk.save)
 
     def _decode_rows(self, start: int) -> list[DecodeRow]:
         """Rows for the slots from ``start`` on (ready requests take theirs first), each fed the
@@ -228,7 +255,7 @@ class Planner:
             expectation = Expectation.MUST_BE_ABSENT
         elif request.phase is Phase.PREFILLING:
             self.prefilling.remove(request)
-            if request.cursor == 0:
+            if request.cursor == request.prefix.hit:  # no chunk sent yet
                 expectation = Expectation.MUST_BE_ABSENT
         elif request.phase is Phase.READY:
             self.ready.remove(request)
@@ -239,8 +266,9 @@ class Planner:
         return DropRequest(request.request_id, expectation, move)
 
     def release(self, request: Request) -> None:
-        """The ranks dropped the request: its pages are free and it is no longer open."""
-        self.pages.release(request.pages)
+        """The ranks dropped the request: its pages are free (or back to the prefix cache) and it
+        is no longer open."""
+        self.cache.release(request.prefix, request.pages)
         request.pages = []
         request.phase = Phase.DONE
         del self.requests[request.request_id]

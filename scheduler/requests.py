@@ -20,6 +20,7 @@ from phalanx.protocol.messages import (
     SamplingParams,
 )
 from phalanx.scheduler.events import Event
+from phalanx.scheduler.prefix_cache import PrefixState
 
 
 def _is_int(value: object) -> bool:
@@ -114,7 +115,7 @@ class GenerationParams:
 
 class Phase(enum.Enum):
     WAITING = "waiting"  # queued; nothing reserved, nothing sent to the ranks
-    PREFILLING = "prefilling"  # slot and pages reserved; ``cursor`` prompt tokens sent to the ranks
+    PREFILLING = "prefilling"  # slot and pages reserved; prompt tokens before ``cursor`` sent or cached
     READY = "ready"  # prompt cached, first token sampled; state still prefill-owned on the ranks
     DECODING = "decoding"  # holds a dense decode slot
     DONE = "done"
@@ -130,9 +131,10 @@ class Request:
     sampling: SamplingParams = field(init=False)
     phase: Phase = Phase.WAITING
     pages: list[int] = field(default_factory=list)
-    cursor: int = 0  # prompt tokens already sent to the ranks
+    cursor: int = 0  # prompt tokens already sent to the ranks (or restored from the prefix cache)
     output: list[int] = field(default_factory=list)
     cancelled: bool = False
+    prefix: PrefixState = field(default_factory=PrefixState)
 
     def __post_init__(self) -> None:
         self.sampling = self.params.sampling(len(self.prompt), self.eos_token_ids)

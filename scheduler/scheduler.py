@@ -6,8 +6,9 @@ One tick (``step``) runs in this order:
    one with rank state with MustExist, one in a decode slot with MustExist plus the compaction);
 2. plan (scheduler.planner): admit waiting requests in FIFO order while a decode slot and the
    pages for ``prompt + max_tokens - 1`` positions are free (reserved for the request's whole
-   life); requests whose prompt is cached take the next dense slots, every slot gets a decode
-   row, and prompt chunks fill what is left of the step's token budget;
+   life; a cached prompt prefix is restored, not prefilled: scheduler.prefix_cache); requests
+   whose prompt is cached take the next dense slots, every slot gets a decode row, and prompt
+   chunks fill what is left of the step's token budget;
 3. send the plan's Prefill, Decode or Unified command;
 4. apply the reply (scheduler.apply), decode tokens first: the requests it finished are retired
    (drop with compaction) before their last token and finish event are published.
@@ -23,11 +24,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from phalanx.config.replica import SchedulingConfig
 from phalanx.scheduler.apply import Applier
 from phalanx.scheduler.pipeline import Pipeline
 from phalanx.scheduler.planner import Planner
+from phalanx.scheduler.prefix_cache import PrefixCacheStats
 from phalanx.scheduler.requests import Request
 from phalanx.scheduler.step_contract import StepExecutor
 
@@ -36,12 +39,13 @@ from phalanx.scheduler.step_contract import StepExecutor
 class SchedulerStats:
     running: int
     waiting: int
-    kv_pages_used: int
+    kv_pages_used: int  # held by requests (their own, and cached ones they reference)
     kv_pages_total: int
     slots_used: int
     slots_total: int
     steps: int
     last_step_seconds: float
+    prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)
 
 
 class Scheduler:
@@ -52,11 +56,12 @@ class Scheduler:
         *,
         max_batch_tokens: int | None = None,
         pipeline: bool = False,
+        prefix_snapshot_interval: int = SchedulingConfig.prefix_snapshot_interval,
     ) -> None:
         capacity = executor.capacity
         self.executor = executor
         budget = min(capacity.max_batch_tokens, max_batch_tokens or capacity.max_batch_tokens)
-        self.planner = Planner(capacity, budget)
+        self.planner = Planner(capacity, budget, prefix_snapshot_interval)
         self.applier = Applier(self.planner, executor, frozenset(eos_token_ids))
         self.pipeline = Pipeline(self.planner, self.applier, executor) if pipeline else None
         self.steps = 0
@@ -77,12 +82,13 @@ class Scheduler:
         return SchedulerStats(
             running=len(planner.prefilling) + len(planner.ready) + len(planner.slots),
             waiting=len(planner.waiting),
-            kv_pages_used=planner.pages.used,
+            kv_pages_used=planner.pages.used + planner.cache.referenced_pages,
             kv_pages_total=planner.pages.total,
             slots_used=planner.slots_reserved(),
             slots_total=planner.slots.capacity,
             steps=self.steps,
             last_step_seconds=self.last_step_seconds,
+            prefix_cache=planner.cache.stats(),
         )
 
     def step(self) -> bool:

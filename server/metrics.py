@@ -3,8 +3,8 @@
 Token counters move as tokens arrive (a request's prompt once its first token is out), so the
 periodic stats line can read throughput from them; request counts and latency histograms are
 recorded as requests finish; the engine's occupancy
-(running, waiting, KV pages, slots, steps, last step latency) is read from ``engine.stats()`` at
-scrape time, so it is never stale.
+(running, waiting, KV pages, slots, steps, last step latency) and its prefix cache's counters are
+read from ``engine.stats()`` at scrape time, so they are never stale.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from phalanx.engine.engine import EngineStats
+from phalanx.engine.engine import EngineStats, PrefixCacheStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -47,11 +47,31 @@ class _EngineCollector(Collector):
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
         yield CounterMetricFamily("phalanx_engine_steps", "engine steps run", value=s.steps)
+        yield from _prefix_cache_metrics(s.prefix_cache)
         yield CounterMetricFamily(
             "phalanx_rejected_frames",
             "control frames the coordinator dropped (forged, undecodable, foreign, from no rank)",
             value=self._rejected_frames(),
         )
+
+
+def _prefix_cache_metrics(cache: PrefixCacheStats) -> Iterator[Metric]:
+    counters = {
+        "phalanx_prefix_cache_queries": ("admitted requests looked up in the prefix cache", cache.queries),
+        "phalanx_prefix_cache_hits": ("admitted requests that restored a cached prefix", cache.hits),
+        "phalanx_prefix_cache_hit_tokens": ("prompt tokens restored instead of prefilled", cache.hit_tokens),
+    }
+    for name, (doc, value) in counters.items():
+        yield CounterMetricFamily(name, doc, value=value)
+    evictions = CounterMetricFamily(
+        "phalanx_prefix_cache_evictions", "prefix cache entries evicted for room", labels=["kind"]
+    )
+    evictions.add_metric(["page"], cache.evicted_pages)
+    evictions.add_metric(["snapshot"], cache.evicted_snapshots)
+    yield evictions
+    yield GaugeMetricFamily(
+        "phalanx_prefix_cache_cached_pages", "KV pages the prefix cache holds", value=cache.cached_pages
+    )
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """The periodic stats line: every few seconds while the server is busy, one ``info`` line with
-prompt and generation throughput, running and waiting requests, KV pages and decode slots in use.
+prompt and generation throughput, running and waiting requests, KV pages and decode slots in use,
+and the prefix cache's hit rate once it has looked a request up.
 
 Busy means a request was open at the tick or tokens moved since the last one, so the line after a
 burst (throughput falling to zero) is written once, and an idle server writes nothing.
@@ -40,7 +41,7 @@ class StatsLog:
         moved = self._totals.prompt != prompt or self._totals.generation != generation
         if not moved and stats.running == 0 and stats.waiting == 0:
             return None
-        return dict(
+        fields: dict[str, Any] = dict(
             prompt_tok_s=round((self._totals.prompt - prompt) / elapsed, 1),
             generation_tok_s=round((self._totals.generation - generation) / elapsed, 1),
             running=stats.running,
@@ -48,6 +49,10 @@ class StatsLog:
             kv_used_pct=round(100 * stats.kv_pages_used / max(stats.kv_pages_total, 1), 1),
             slots=f"{stats.slots_used}/{stats.slots_total}",
         )
+        cache = stats.prefix_cache
+        if cache.queries:
+            fields["prefix_hit_pct"] = round(100 * cache.hits / cache.queries, 1)
+        return fields
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):

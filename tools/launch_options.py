@@ -113,6 +113,26 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help=f"KV pages per rank (default: {CacheConfig.kv_pages} on cpu; on cuda as many as memory allows)",
     )
+    add_prefix_cache_arguments(parser)
+
+
+def add_prefix_cache_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--no-prefix-cache`` and ``--prefix-snapshots``, for serve and for a worker alike."""
+    parser.add_argument(
+        "--no-prefix-cache",
+        dest="prefix_cache",
+        action="store_false",
+        help="prefill every prompt whole (default: requests that share a prompt prefix reuse its cached "
+        "KV pages and linear-attention state)",
+    )
+    parser.add_argument(
+        "--prefix-snapshots",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="prefix-cache state snapshots per rank, each the size of a request's state (default: on cuda "
+        "as many as a tenth of the cache memory holds, taken from the KV pages; 2 per slot on cpu)",
+    )
 
 
 def checked_number(text: str, convert: Callable[[str], T], valid: Callable[[T], bool], expected: str) -> T:
@@ -146,6 +166,8 @@ class LaunchChoice:
     max_slots: int  # 0 on cuda: as many as memory and the graph buckets allow
     max_model_len: int  # 0: the checkpoint's
     gpu_memory_utilization: float
+    prefix_cache: bool
+    prefix_snapshots: int  # 0: sized by each rank
 
 
 def choose_launch(args: argparse.Namespace, model_dir: Path, max_slots: int | None = None) -> LaunchChoice:
@@ -158,6 +180,8 @@ def choose_launch(args: argparse.Namespace, model_dir: Path, max_slots: int | No
             f"--max-model-len {args.max_model_len} exceeds the checkpoint's context of "
             f"{info.max_position_embeddings} tokens (max_position_embeddings in {model_dir}/config.json)"
         )
+    if args.prefix_snapshots is not None and not args.prefix_cache:
+        raise ValueError("--prefix-snapshots sizes the prefix cache, which --no-prefix-cache turns off")
     cuda = device == "cuda"
     return LaunchChoice(
         device=device,
@@ -167,6 +191,8 @@ def choose_launch(args: argparse.Namespace, model_dir: Path, max_slots: int | No
         max_slots=max_slots if max_slots is not None else (0 if cuda else SchedulingConfig.max_slots),
         max_model_len=args.max_model_len or 0,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        prefix_cache=args.prefix_cache,
+        prefix_snapshots=args.prefix_snapshots or 0,
     )
 
 
@@ -263,7 +289,12 @@ def replica_config(
         parallel=ParallelConfig(
             tp, choice.device, "tcp" if attach else ParallelConfig.transport, host, port, attach
         ),
-        cache=CacheConfig(kv_pages=choice.kv_pages, gpu_memory_utilization=choice.gpu_memory_utilization),
+        cache=CacheConfig(
+            kv_pages=choice.kv_pages,
+            gpu_memory_utilization=choice.gpu_memory_utilization,
+            prefix_cache=choice.prefix_cache,
+            prefix_snapshots=choice.prefix_snapshots,
+        ),
         scheduling=SchedulingConfig(max_slots=choice.max_slots, pipeline=args.pipeline),
         log=LogConfig(args.log_level, args.log_format, args.record),
         **fields,

@@ -31,6 +31,7 @@ from phalanx.tools.launch_options import (
     DEVICE_HELP,
     add_batch_arguments,
     add_log_arguments,
+    add_prefix_cache_arguments,
     memory_fraction,
 )
 
@@ -59,6 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="torch dtype name (default: float32 on cpu, bfloat16 on cuda)",
     )
     parser.add_argument("--kv-pages", type=int, default=0, help="KV pages cap (0 on cuda: as many as fit)")
+    add_prefix_cache_arguments(parser)
     add_batch_arguments(parser)
     parser.add_argument(
         "--gpu-memory-utilization",
@@ -123,7 +125,13 @@ def _replica(args: argparse.Namespace) -> ReplicaConfig:
         parallel=ParallelConfig(
             _env_int("WORLD_SIZE", "SLURM_NTASKS"), args.device, transport="tcp", attach=True
         ),
-        cache=CacheConfig(args.kv_pages, args.page_size, args.gpu_memory_utilization),
+        cache=CacheConfig(
+            args.kv_pages,
+            args.page_size,
+            args.gpu_memory_utilization,
+            args.prefix_cache,
+            args.prefix_snapshots or 0,
+        ),
         scheduling=SchedulingConfig(args.max_slots or 0, args.max_batch_tokens),
         timeouts=Timeouts(
             dist_init_timeout=args.dist_init_timeout,

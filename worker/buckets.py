@@ -70,16 +70,29 @@ class StateSlotLayout:
     """Which state slots of the model's pool hold what.
 
     ``0..max_slots-1`` are the dense decode slots, ``max_slots..2*max_slots-1`` the prefill
-    staging states, and in graph mode ``spare_base..total-1`` are spare slots that complete the
-    decode region to the top bucket, so a padded batch always finds free slots for its padding
-    rows (a batch of ``n`` rows pads to ``bucket_for(n) <= bucket_for(max_slots)``).
+    staging states, and in graph mode ``spare_base..snapshot_base-1`` are spare slots that
+    complete the decode region to the top bucket, so a padded batch always finds free slots for
+    its padding rows (a batch of ``n`` rows pads to ``bucket_for(n) <= bucket_for(max_slots)``).
+    The prefix cache's snapshot slots come last, ``snapshot_base..total-1``: no step reads or
+    writes them, only the copies of a restore or a save (``worker/snapshots.py``).
     """
 
     max_slots: int
     spare_base: int
+    snapshot_base: int
     total: int
 
+    @property
+    def snapshot_slots(self) -> int:
+        return self.total - self.snapshot_base
 
-def state_slot_layout(max_slots: int, cuda_graph: bool) -> StateSlotLayout:
+
+def state_slot_layout(max_slots: int, cuda_graph: bool, snapshot_slots: int = 0) -> StateSlotLayout:
     spare = bucket_for(max_slots) - max_slots if cuda_graph else 0
-    return StateSlotLayout(max_slots=max_slots, spare_base=2 * max_slots, total=2 * max_slots + spare)
+    snapshot_base = 2 * max_slots + spare
+    return StateSlotLayout(
+        max_slots=max_slots,
+        spare_base=2 * max_slots,
+        snapshot_base=snapshot_base,
+        total=snapshot_base + snapshot_slots,
+    )

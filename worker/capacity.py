@@ -6,6 +6,12 @@ activations measured by a profile run (``worker.memory_profile``), the CUDA grap
 fixed slack come off that; the rest holds request states and KV pages. Without an explicit
 ``max_slots``, up to the largest graph bucket of requests decode together, their states taking
 at most half of the rest, so the KV pool keeps at least the other half.
+
+Prefix-cache snapshots (``Capacity.snapshot_slots``) are request states too, kept in slots of
+their own: none with the prefix cache off, ``prefix_snapshots`` when given, else on CUDA as many
+as fit in a tenth of the cache memory (at most half of what the request states leave, so the KV
+pool keeps most of its share), and on CPU two per decode slot. On CUDA they come out of the KV
+pages, so the memory total holds.
 """
 
 from __future__ import annotations
@@ -25,6 +31,10 @@ CUDA_SLACK_BYTES = 512 << 20
 # NCCL's communicator buffers and the one-shot all-reduce's symmetric memory, made after sizing.
 COMMUNICATOR_BYTES = 1 << 30
 GIB = 1 << 30
+# The share of the cache memory (KV pages and states) auto-sized prefix snapshots take on CUDA.
+SNAPSHOT_SHARE = 0.1
+# Auto-sized prefix snapshots on CPU, per decode slot.
+CPU_SNAPSHOTS_PER_SLOT = 2
 
 
 class CapacityError(RuntimeError):
@@ -60,10 +70,12 @@ def size_capacity(
 ) -> tuple[Capacity, MemoryPlan | None]:
     """(this rank's capacity, its memory plan on CUDA). Each request needs two state slots
     (prefill staging and decode) and its KV pages; with CUDA graphs the decode slots are the
-    graph slot reserve, sized by the effective bucket (``size_graph_slot_reserve``)."""
+    graph slot reserve, sized by the effective bucket (``size_graph_slot_reserve``). The prefix
+    snapshots are sized last, and the KV pages get the rest."""
     if device.type != "cuda":
         slots = min(limits.max_slots, MAX_GRAPH_BATCH) if cuda_graph else limits.max_slots
-        return Capacity(limits.kv_pages, limits.page_size, slots, limits.max_batch_tokens), None
+        snapshots = _snapshot_slots(limits, CPU_SNAPSHOTS_PER_SLOT * slots)
+        return Capacity(limits.kv_pages, limits.page_size, slots, limits.max_batch_tokens, snapshots), None
     plan = _plan(limits, model, device, cuda_graph, activations or ActivationProfile(0, 0))
     budget = plan.for_caches
     if budget <= 0:
@@ -87,15 +99,27 @@ def size_capacity(
             f"rank {rank}: one request's recurrent state needs {2 * state / GIB:.2f} GiB, but only "
             f"{budget / GIB:.2f} GiB is left for caches ({_describe(limits, plan)})"
         )
+    auto_bytes = min(int(budget * SNAPSHOT_SHARE), (budget - state_bytes) // 2)
+    snapshots = _snapshot_slots(limits, max(0, auto_bytes) // state)
+    state_bytes += snapshots * state
     pages = (budget - state_bytes) // plan.kv_per_page - 1  # one page is the padding page
     if limits.kv_pages:
         pages = min(pages, limits.kv_pages)
     if pages < 1:
+        also = f" and {snapshots} prefix snapshots" if snapshots else ""
         raise CapacityError(
-            f"rank {rank}: no memory is left for KV pages after {slots} request states "
+            f"rank {rank}: no memory is left for KV pages after {slots} request states{also} "
             f"({_describe(limits, plan)})"
         )
-    return Capacity(int(pages), limits.page_size, int(slots), limits.max_batch_tokens), plan
+    capacity = Capacity(int(pages), limits.page_size, int(slots), limits.max_batch_tokens, int(snapshots))
+    return capacity, plan
+
+
+def _snapshot_slots(limits: WorkerLimits, auto: int) -> int:
+    """Off, as given, or ``auto``."""
+    if not limits.prefix_cache:
+        return 0
+    return limits.prefix_snapshots or auto
 
 
 def _plan(
@@ -137,14 +161,18 @@ def memory_line(
     capacity: Capacity, plan: MemoryPlan | None, model, cuda_graph: bool, max_context: int
 ) -> str:
     """The one line a rank logs once its effective capacity is known."""
-    layout = state_slot_layout(capacity.max_slots, cuda_graph)
+    layout = state_slot_layout(capacity.max_slots, cuda_graph, capacity.snapshot_slots)
     kv = (capacity.kv_pages + 1) * model.kv_bytes_per_page(capacity.page_size)
-    states = layout.total * model.state_bytes_per_slot()
+    states = layout.snapshot_base * model.state_bytes_per_slot()
+    snapshots = layout.snapshot_slots * model.state_bytes_per_slot()
     buckets = buckets_up_to(capacity.max_slots) if cuda_graph else ()
     parts = [
         f"weights {model.weight_bytes / GIB:.2f} GiB",
         f"KV {kv / GIB:.2f} GiB ({capacity.kv_pages:,} pages of {capacity.page_size} tokens)",
         f"request states {states / GIB:.2f} GiB ({capacity.max_slots} slots)",
+        f"prefix snapshots {layout.snapshot_slots} ({snapshots / GIB:.2f} GiB)"
+        if layout.snapshot_slots
+        else "prefix cache off",
         f"max context {max_context:,} tokens",
         f"graph buckets {buckets[0]}-{buckets[-1]}" if buckets else "eager decode",
     ]

@@ -1,10 +1,12 @@
 """Checking and executing the step commands on one rank: Prefill, Decode, Unified, DropRequest.
 
 Every command is first checked against this rank's state (unknown request, phase, cached
-length, page coverage, slot owner); a mismatch raises WorkerStateError before any model work.
-The same planning judges each request's own values (``worker/request_checks.py``; rank 0 also
-compiles the grammars there): a request this rank cannot serve is rejected alone, its chunk or row
-run with harmless values in place, and rank 0 answers it in the reply's ``rejected``.
+length, page coverage, slot owner, what a restored snapshot slot holds); a mismatch raises
+WorkerStateError before any model work. The same planning judges each request's own values
+(``worker/request_checks.py``; rank 0 also compiles the grammars there): a request this rank cannot
+serve is rejected alone, its chunk or row run with harmless values in place, and rank 0 answers it
+in the reply's ``rejected``. A prefill's model work, with the prefix cache's restores and saves,
+runs in ``worker/prefill_waves.py``; the snapshot checks are ``worker/snapshots.py``'s.
 Rank 0 samples and returns TokenResults; other ranks return None (the loop answers Ack). A Decode
 or Unified on rank 0 returns its step still in flight (``PendingStep``, ``worker/pending_steps.py``):
 the loop answers it once its tokens are on the host, after launching the next Decode or Unified if
@@ -22,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from phalanx.kernels.host_staging_triton import feed_tokens
-from phalanx.models.qwen35 import DecodeBatch, PrefillBatch
+from phalanx.models.qwen35 import DecodeBatch
 from phalanx.protocol.messages import (
     FED_TOKEN,
     NO_FEED,
@@ -37,11 +39,12 @@ from phalanx.worker.faults import fault_point
 from phalanx.worker.grammar import GrammarTable
 from phalanx.worker.graphs import DecodeGraphRunner
 from phalanx.worker.pending_steps import PendingDecode, PendingPrefill, PendingUnified
-from phalanx.worker.prompt_scoring import PromptScoring
+from phalanx.worker.prefill_waves import run_prefill
 from phalanx.worker.request_checks import judge_chunk, judge_row
 from phalanx.worker.request_table import Phase, RequestTable
 from phalanx.worker.sampling import DrawnTokens, draw_tokens
 from phalanx.worker.slots import SlotTable
+from phalanx.worker.snapshots import SnapshotTable, check_distinct_save_slots, check_restore, check_saves
 from phalanx.worker.step_plans import ChunkPlan, RowPlan, rejections
 
 
@@ -55,6 +58,7 @@ class StepRunner:
         kv_pages: int,
         max_slots: int,
         max_batch_tokens: int,
+        snapshots: SnapshotTable | None = None,
     ) -> None:
         self.model = model
         self.device = device
@@ -64,6 +68,7 @@ class StepRunner:
         self.max_batch_tokens = max_batch_tokens
         self.requests = RequestTable(max_slots)
         self.slots = SlotTable(max_slots)
+        self.snapshots = SnapshotTable() if snapshots is None else snapshots  # none: the prefix cache is off
         self.graphs: DecodeGraphRunner | None = None  # set in graph mode (worker.graphs)
         self.grammars: GrammarTable | None = None  # rank 0's constrained requests (worker.grammar)
         self._fed_tokens = torch.zeros(max_slots, dtype=torch.int64, device=device)
@@ -114,7 +119,10 @@ class StepRunner:
             if not tokens:
                 raise WorkerStateError(f"prefill chunk for request {chunk.request_id} is empty")
             total += len(tokens)
-            if chunk.start == 0:
+            if chunk.restore is not None:
+                check_restore(chunk, self.page_size, self.snapshots)
+                state = self.requests.begin(chunk.request_id, chunk.start)
+            elif chunk.start == 0:
                 state = self.requests.begin(chunk.request_id)
             else:
                 state = self.requests.require(chunk.request_id, "prefill")
@@ -130,9 +138,11 @@ class StepRunner:
             pages = self._pages(chunk.request_id, chunk.page_ids, chunk.start + len(tokens))
             self._check_feed_slot(chunk)
             self._check_grammar(chunk)
+            check_saves(chunk, len(tokens), self.snapshots)
             chunk, tokens, rejected = judge_chunk(chunk, tokens, self.vocab_size)
             rejected = rejected or self._start_grammar(chunk)
             plans.append(ChunkPlan(chunk, state, tokens, pages, rejected))
+        check_distinct_save_slots("prefill", chunks)
         if total > self.max_batch_tokens:
             raise WorkerStateError(
                 f"prefill of {total} tokens exceeds worker max_batch_tokens {self.max_batch_tokens}"
@@ -210,30 +220,21 @@ class StepRunner:
     # -- execution ------------------------------------------------------------------------------
 
     def _run_prefill(self, plans: list[ChunkPlan]) -> PendingPrefill | None:
-        batch = PrefillBatch.build(
-            [(plan.tokens, plan.chunk.start, plan.state.state_slot, plan.pages) for plan in plans],
-            self.device,
-        )
-        scoring = PromptScoring.plan([(plan.chunk, plan.tokens) for plan in plans])
-        scores = None
-        if scoring is None or not scoring.rows:
-            logits = self.model.prefill(batch)
-        else:
-            logits, scores = self.model.prefill_scored(batch, *scoring.tensors(self.device), scoring.top_n)
+        output = run_prefill(self.model, plans, self.device, self.snapshots)
         for plan in plans:
             plan.state.cached = plan.chunk.start + len(plan.tokens)
             if plan.chunk.last:
                 plan.state.phase = Phase.PREFILLED
         if self.rank != 0:
             return None
-        prompt_logprobs = [] if scoring is None else scoring.results(scores)
+        prompt_logprobs = output.prompt_logprobs()
         final = [index for index, plan in enumerate(plans) if plan.chunk.last]
         if not final:
             return PendingPrefill([], None, prompt_logprobs, rejections(plans))
         final_ids = [plans[i].chunk.request_id for i in final]
         allowed = self._constrained(final_ids)
         drawn = draw_tokens(
-            logits[final],
+            output.logits[final],
             [plans[i].chunk.sampling for i in final],
             [plans[i].state.cached for i in final],
             allowed=allowed,

@@ -48,6 +48,7 @@ from phalanx.worker.heartbeat import HeartbeatThread
 from phalanx.worker.logs import bind_epoch, configure_logging
 from phalanx.worker.loop import EXIT_CANCELLED, EXIT_OK, EXIT_POISONED, CommandLoop
 from phalanx.worker.memory_profile import measure_activations
+from phalanx.worker.snapshots import SnapshotTable
 from phalanx.worker.watchdog import Watchdog
 
 log = structlog.get_logger("phalanx.worker")
@@ -207,7 +208,11 @@ def _startup(sock: RankSocket, config: WorkerConfig) -> tuple[StepRunner, int] |
             return EXIT_CANCELLED
         bind_epoch(epoch)
         effective: Capacity = decision.capacity
-        if not (0 < effective.max_slots <= local.max_slots and 0 < effective.kv_pages <= local.kv_pages):
+        if not (
+            0 < effective.max_slots <= local.max_slots
+            and 0 < effective.kv_pages <= local.kv_pages
+            and effective.snapshot_slots <= local.snapshot_slots
+        ):
             raise ValueError(f"effective capacity {effective} exceeds local capacity {local}")
         if config.rank == 0:
             context = min(model.config.max_position_embeddings, effective.kv_pages * effective.page_size)
@@ -216,7 +221,7 @@ def _startup(sock: RankSocket, config: WorkerConfig) -> tuple[StepRunner, int] |
         _init_distributed(config, decision, device)
         model.tp.enable_one_shot(model.dtype, device)
         phase = "startup:allocate"
-        slots = state_slot_layout(effective.max_slots, config.cuda_graph)
+        slots = state_slot_layout(effective.max_slots, config.cuda_graph, effective.snapshot_slots)
         model.allocate_cache(effective.kv_pages + 1, effective.page_size, slots.total)
         graphs = None
         if config.cuda_graph:
@@ -234,6 +239,7 @@ def _startup(sock: RankSocket, config: WorkerConfig) -> tuple[StepRunner, int] |
         effective.kv_pages,
         effective.max_slots,
         effective.max_batch_tokens,
+        SnapshotTable(slots.snapshot_base, slots.snapshot_slots),
     )
     runner.graphs = graphs
     if config.rank == 0:  # the rank that samples keeps the constrained requests' matchers

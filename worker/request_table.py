@@ -59,16 +59,17 @@ class RequestTable:
             raise WorkerStateError(f"{op} request {request_id} has no worker state")
         return state
 
-    def begin(self, request_id: int) -> RequestState:
-        """A request's first prefill chunk: give it the lowest free staging slot."""
+    def begin(self, request_id: int, start: int = 0) -> RequestState:
+        """A request's first prefill chunk: give it the lowest free staging slot. ``start`` is
+        past 0 when the chunk restores a cached prefix of that many tokens."""
         if request_id in self.requests:
             raise WorkerStateError(
                 f"request {request_id} already has worker state ({self.requests[request_id].phase.value}) "
-                "at a prefill chunk with start 0"
+                f"at a prefill chunk with start {start}"
             )
         if not self._free_staging:
             raise WorkerStateError(f"prefill chunks would exceed worker capacity {self.max_slots}")
-        state = RequestState(request_id, Phase.PREFILLING, 0, heapq.heappop(self._free_staging))
+        state = RequestState(request_id, Phase.PREFILLING, start, heapq.heappop(self._free_staging))
         self.requests[request_id] = state
         return state
 

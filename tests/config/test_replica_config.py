@@ -54,6 +54,11 @@ def test_unknown_fields_and_bad_values_are_refused_by_name() -> None:
         ({"kv_pages": 0}, "kv_pages must be positive (0 means 'as many as fit' on cuda only), got 0"),
         ({"step_timeout": 0.0}, "step_timeout must be positive, got 0.0"),
         ({"log_level": "loud"}, "log level must be one of debug, info, warning, error, got 'loud'"),
+        ({"prefix_snapshots": -1}, "prefix_snapshots must be 0 (sized by each rank) or more, got -1"),
+        (
+            {"prefix_cache": False, "prefix_snapshots": 8},
+            "prefix_snapshots 8 given with the prefix cache off",
+        ),
     ]
     for fields, message in refusals:
         with pytest.raises(ValueError) as refused:
@@ -68,6 +73,10 @@ def test_the_launch_contract_is_filled_from_the_tree() -> None:
     assert (contract.rank, contract.world_size, contract.epoch, contract.auth_key) == (1, 2, 7, "01" * 32)
     assert (contract.limits.kv_pages, contract.limits.page_size, contract.cuda_graph) == (64, 16, True)
     assert (contract.gate_timeout, contract.heartbeat_interval) == (50.0, 0.0)  # no heartbeats when spawned
+    assert (contract.limits.prefix_cache, contract.limits.prefix_snapshots) == (True, 0)
+    off = rank_config(ReplicaConfig(model_dir="m", prefix_cache=False), 0, 0, "ipc:///x", 7, None)
+    given = rank_config(ReplicaConfig(model_dir="m", prefix_snapshots=5), 0, 0, "ipc:///x", 7, None)
+    assert (off.limits.prefix_cache, given.limits.prefix_snapshots) == (False, 5)
     attached = ReplicaConfig(model_dir="m", transport="tcp", attach=True)
     contract = rank_config(attached, 0, 0, "tcp://h:1", 0, None)
     assert (contract.gate_timeout, contract.heartbeat_interval) == (
@@ -85,7 +94,11 @@ def test_the_command_line_defaults_are_the_tree_s() -> None:
         Timeouts.step_timeout,
     )
     assert serve.gpu_memory_utilization == CacheConfig.gpu_memory_utilization
+    assert (serve.prefix_cache, serve.prefix_snapshots) == (CacheConfig.prefix_cache, None)
     worker = command_parser("worker").parse_args(["--model", "m"])
+    assert (worker.prefix_cache, worker.prefix_snapshots) == (CacheConfig.prefix_cache, None)
+    off = command_parser("worker").parse_args(["--model", "m", "--no-prefix-cache"])
+    assert off.prefix_cache is False
     assert (worker.dist_init_timeout, worker.gate_timeout, worker.coordinator_grace) == (
         Timeouts.dist_init_timeout,
         Timeouts.gate_timeout,

@@ -25,7 +25,7 @@ from phalanx.protocol.messages import (
 )
 from phalanx.protocol.packing import pack_ids
 
-CAPACITY = Capacity(kv_pages=8, page_size=4, max_slots=2, max_batch_tokens=10, snapshot_slots=2)
+CAPACITY = Capacity(kv_pages=8, page_size=4, max_slots=2, max_batch_tokens=10)
 VOCAB = 100
 
 
@@ -51,53 +51,6 @@ def _row(
     request_id: int, slot: int = 0, token: int = 1, position: int = 3, pages: list[int] | None = None
 ) -> DecodeRow:
     return DecodeRow(request_id, slot, token, position, pack_ids(pages if pages is not None else [0]))
-
-
-def _cached(
-    start: int, restore: StateSnapshot | None = None, save: tuple[StateSnapshot, ...] = ()
-) -> PrefillChunk:
-    """A chunk of 4 tokens from ``start``, restoring and saving snapshots."""
-    return replace(_chunk(1, [1, 2, 3, 4], start, pages=[0, 1, 2, 3]), restore=restore, save=list(save))
-
-
-@pytest.mark.parametrize(
-    ("chunk", "text"),
-    [
-        (
-            _cached(4, StateSnapshot(2, 7, 4)),
-            "^prefill chunk for request 1 names snapshot slot 2, outside the ranks' 2 snapshot slots$",
-        ),
-        (
-            _cached(8, StateSnapshot(0, 7, 4)),
-            r"^prefill chunk for request 1 starts at 8 but restores a snapshot at position 4 \(a cached",
-        ),
-        (_cached(6, StateSnapshot(0, 7, 6)), "starts at 6 but restores a snapshot at position 6"),
-        (
-            _cached(4, save=[StateSnapshot(0, 7, 4)]),
-            r"^prefill chunk for request 1 saves at positions \[4\], not ascending inside \(4, 8\]$",
-        ),
-        (_cached(0, save=[StateSnapshot(0, 7, 4), StateSnapshot(1, 8, 4)]), r"saves at positions \[4, 4\]"),
-        (
-            _cached(0, save=[StateSnapshot(0, 7, 9)]),
-            r"saves at positions \[9\], not ascending inside \(0, 4\]",
-        ),
-        (
-            replace(_cached(0, save=[StateSnapshot(0, 7, 4)]), prompt_logprobs=1),
-            "^prefill chunk for request 1 saves a snapshot and asks for prompt logprobs$",
-        ),
-    ],
-)
-def test_snapshot_rejections(chunk: PrefillChunk, text: str) -> None:
-    with pytest.raises(StepRejected, match=text):
-        check_prefill([chunk], CAPACITY, VOCAB)
-
-
-def test_a_chunk_that_restores_and_saves_inside_itself_passes() -> None:
-    check_prefill(
-        [_cached(4, StateSnapshot(0, 7, 4), [StateSnapshot(1, 8, 6), StateSnapshot(0, 9, 8)])],
-        CAPACITY,
-        VOCAB,
-    )
 
 
 @pytest.mark.parametrize(
@@ -141,6 +94,55 @@ def test_a_chunk_that_restores_and_saves_inside_itself_passes() -> None:
 def test_prefill_rejections(chunks: list[PrefillChunk], text: str) -> None:
     with pytest.raises(StepRejected, match=text):
         check_prefill(chunks, CAPACITY, VOCAB)
+
+
+SNAPSHOT_CAPACITY = replace(CAPACITY, snapshot_slots=3)
+
+
+@pytest.mark.parametrize(
+    ("chunk", "text"),
+    [
+        (
+            replace(_chunk(1, [1]), save=[StateSnapshot(3, 7, 1)]),
+            "^prefill chunk for request 1 names snapshot slot 3; the ranks keep 3$",
+        ),
+        (
+            replace(_chunk(1, [1], start=4), restore=StateSnapshot(0, 7, 8)),
+            r"^prefill chunk for request 1 starts at 4 but restores a snapshot at position 8 \(a page boundary past 0\)$",
+        ),
+        (
+            replace(_chunk(1, [1], start=2), restore=StateSnapshot(0, 7, 2)),
+            "starts at 2 but restores a snapshot at position 2",
+        ),
+        (
+            replace(_chunk(1, [1, 2, 3]), save=[StateSnapshot(0, 7, 2), StateSnapshot(1, 8, 2)]),
+            r"^prefill chunk for request 1 saves snapshots at positions \[2, 2\], not ascending inside \(0, 3\]$",
+        ),
+        (replace(_chunk(1, [1, 2]), save=[StateSnapshot(0, 7, 3)]), r"positions \[3\], not ascending inside"),
+        (
+            replace(_chunk(1, [1, 2], start=2), save=[StateSnapshot(0, 7, 2)]),
+            r"positions \[2\], not ascending",
+        ),
+        (
+            replace(_chunk(1, [1, 2]), save=[StateSnapshot(0, 7, 2)], prompt_logprobs=0),
+            "^prefill chunk for request 1 saves snapshots and asks for prompt logprobs$",
+        ),
+    ],
+)
+def test_snapshot_rejections(chunk: PrefillChunk, text: str) -> None:
+    with pytest.raises(StepRejected, match=text):
+        check_prefill([chunk], SNAPSHOT_CAPACITY, VOCAB)
+
+
+def test_snapshots_that_fit_pass_and_a_slot_saved_twice_is_rejected() -> None:
+    restored = replace(_chunk(1, [1, 2], start=4, pages=[0, 1]), restore=StateSnapshot(2, 7, 4))
+    saving = replace(_chunk(2, [1, 2, 3, 4]), save=[StateSnapshot(2, 9, 2), StateSnapshot(0, 8, 4)])
+    check_prefill([restored, saving], SNAPSHOT_CAPACITY, VOCAB)  # restores run before saves
+    twice = replace(_chunk(3, [1, 2]), save=[StateSnapshot(0, 5, 2)])
+    with pytest.raises(StepRejected, match="^prefill saves snapshot slot 0 twice$"):
+        check_prefill([saving, twice], SNAPSHOT_CAPACITY, VOCAB)
+    with pytest.raises(StepRejected, match="names snapshot slot 0; the ranks keep 0"):
+        check_prefill([twice], CAPACITY, VOCAB)
 
 
 @pytest.mark.parametrize(

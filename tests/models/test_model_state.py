@@ -77,3 +77,51 @@ def test_prefill_extent_checks(model: Qwen35Model) -> None:
         ValueError, match=r"rank 0: prefill token id 512 is outside the vocabulary \[0, 512\)"
     ):
         model.prefill(PrefillBatch.build([([1, 512], 0, 0, [0])]))
+
+
+DEVICES = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param(
+        "cuda",
+        id="cuda",
+        marks=[
+            pytest.mark.cuda,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+        ],
+    ),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_state_copied_away_and_back_resumes_the_prefill_exactly(tiny_model_dir: Path, device: str) -> None:
+    """A prefix cache hit at the model's level: the state after 16 tokens is copied into a spare
+    slot, its own slot is reused, and a third slot resumes from the copy over the prefix's KV
+    pages. Its logits and state are bit for bit those of the same prompt prefilled in two chunks
+    split at 16 (the same kernels on the same values), and on the CPU (fp32) those of one
+    uninterrupted prefill within rounding."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = Qwen35Model.load(tiny_model_dir, device=device, dtype=dtype)
+    model.allocate_cache(num_pages_total=16, page_size=8, num_state_slots=5)
+    prompt = list(range(3, 40))
+
+    def prefill(tokens: list[int], start: int, slot: int, pages: list[int]) -> torch.Tensor:
+        return model.prefill(PrefillBatch.build([(tokens, start, slot, pages)], device), all_logits=True)
+
+    whole = prefill(prompt, 0, 0, [1, 2, 3, 4, 5])
+    split = torch.cat(
+        [prefill(prompt[:16], 0, 4, [13, 14]), prefill(prompt[16:], 16, 4, [13, 14, 10, 11, 12])]
+    )
+    head = prefill(prompt[:16], 0, 1, [6, 7])
+    model.copy_state(1, 3)  # the snapshot
+    prefill(list(range(50, 60)), 0, 1, [8, 9])  # slot 1 reused
+    model.copy_state(3, 2)  # the restore
+    resumed = torch.cat([head, prefill(prompt[16:], 16, 2, [6, 7, 10, 11, 12])])
+    assert torch.equal(resumed, split)
+    for gdn in (layer.linear_attention for layer in model.layers if layer.linear_attention):
+        assert torch.equal(gdn.recurrent_state[2], gdn.recurrent_state[4])
+        assert torch.equal(gdn.conv_state[2], gdn.conv_state[4])
+        if device == "cpu":
+            torch.testing.assert_close(gdn.recurrent_state[2], gdn.recurrent_state[0], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(gdn.conv_state[2], gdn.conv_state[0], rtol=1e-4, atol=1e-5)
+    if device == "cpu":
+        torch.testing.assert_close(resumed, whole, rtol=1e-4, atol=1e-4)

@@ -6,6 +6,11 @@ checks every command the way a worker does, raising ``RankStateError`` on any mi
 output depends only on what the scheduler fed it: if the scheduler misplaces a token, a position
 or a page, the output changes or a check fires.
 
+Prefix caching: a snapshot slot keeps (key, position, the tokens fed so far); a restore must name
+what the slot holds, and every KV page below the restored position must hold the snapshot's
+tokens. A page may be in several requests' tables, but no request writes a page another live
+request holds. Restores of a command run before its saves.
+
 Every command (``send``) is carried out at once and its reply held until ``collect``, which must
 read the steps in the order they were sent. A ``FED_TOKEN`` row must follow a decode of its
 request in the same slot, or a prefill whose last chunk named that slot (``feed_slot``), and the
@@ -43,6 +48,7 @@ from phalanx.protocol.messages import (
     ReplyEnvelope,
     RequestRejected,
     SamplingParams,
+    StateSnapshot,
     TokenResult,
     Unified,
     UnifiedDone,
@@ -87,6 +93,9 @@ class FakeRanks:
         self._results: dict[int, tuple[Command, Reply]] = {}
         self._feeds: dict[int, int] = {}  # request id -> slot the last prefill fed
         self.most_in_flight = 0
+        self.snapshots: dict[int, tuple[int, int, list[int]]] = {}  # slot -> key, position, fed
+        self.page_tokens: dict[tuple[int, int], int] = {}  # (page, offset) -> token written there
+        self.restores = 0
 
     # -- helpers ----------------------------------------------------------------------------
 
@@ -102,11 +111,49 @@ class FakeRanks:
         for page in pages:
             if not 0 <= page < self.capacity.kv_pages:
                 raise RankStateError(f"request {request_id}: page {page} out of range")
-        others = self.staging | self.slot_state
-        for other_id, other in others.items():
-            if other_id != request_id and set(other.pages) & set(pages):
-                raise RankStateError(f"request {request_id} shares pages with request {other_id}")
         state.pages = pages
+
+    def _write(self, request_id: int, state: _State, tokens: list[int], start: int) -> None:
+        """Write the tokens' KV at positions ``start..``: into pages no other live request holds."""
+        size = self.capacity.page_size
+        written = {state.pages[position // size] for position in range(start, start + len(tokens))}
+        for other_id, other in (self.staging | self.slot_state).items():
+            if other_id != request_id and written & set(other.pages):
+                raise RankStateError(f"request {request_id} writes pages request {other_id} holds")
+        for position, token in enumerate(tokens, start=start):
+            self.page_tokens[state.pages[position // size], position % size] = token
+        state.fed.extend(tokens)
+
+    def _restore(self, chunk: PrefillChunk, restore: StateSnapshot) -> None:
+        held = self.snapshots.get(restore.slot)
+        if not 0 <= restore.slot < self.capacity.snapshot_slots:
+            raise RankStateError(
+                f"request {chunk.request_id} restores snapshot slot {restore.slot}: out of range"
+            )
+        if held is None or held[:2] != (restore.key, restore.position) or chunk.start != restore.position:
+            raise RankStateError(f"request {chunk.request_id} restores {restore} but the slot holds {held}")
+        if chunk.request_id in self.staging or chunk.request_id in self.slot_state:
+            raise RankStateError(f"request {chunk.request_id} restores after its first chunk")
+        fed, pages, size = held[2], unpack_list(chunk.page_ids), self.capacity.page_size
+        if any(self.page_tokens.get((pages[p // size], p % size)) != fed[p] for p in range(len(fed))):
+            raise RankStateError(f"request {chunk.request_id}: cached pages do not hold the restored prefix")
+        if len(self.staging) + len(self.slot_state) >= self.capacity.max_slots:
+            raise RankStateError("prefill chunks would exceed worker capacity")
+        self.staging[chunk.request_id] = _State(fed=list(fed))
+        self.restores += 1
+
+    def _save(self, chunk: PrefillChunk, state: _State, end: int) -> None:
+        positions = [save.position for save in chunk.save]
+        if positions != sorted(set(positions)) or not all(chunk.start < p <= end for p in positions):
+            raise RankStateError(
+                f"request {chunk.request_id}: saves {positions} outside ({chunk.start}, {end}]"
+            )
+        if chunk.save and chunk.prompt_logprobs is not None:
+            raise RankStateError(f"request {chunk.request_id} saves a chunk that scores its prompt")
+        for save in chunk.save:
+            if not 0 <= save.slot < self.capacity.snapshot_slots:
+                raise RankStateError(f"request {chunk.request_id} saves into slot {save.slot}: out of range")
+            self.snapshots[save.slot] = (save.key, save.position, state.fed[: save.position])
 
     def _not_in_flight(self, op: str) -> None:
         if self._uncollected:
@@ -124,6 +171,9 @@ class FakeRanks:
         if sum(len(c.tokens) // 4 for c in chunks) > self.capacity.max_batch_tokens:
             raise RankStateError("prefill over the token budget")
         results = []
+        for chunk in chunks:  # every restore of the command before any model work or save
+            if chunk.restore is not None:
+                self._restore(chunk, chunk.restore)
         for chunk in chunks:
             tokens = unpack_list(chunk.tokens)
             if not tokens:
@@ -140,7 +190,8 @@ class FakeRanks:
             if state is None or state.prompt_done or len(state.fed) != chunk.start:
                 raise RankStateError(f"request {chunk.request_id}: chunk start {chunk.start} out of order")
             self._check_pages(chunk.request_id, state, unpack_list(chunk.page_ids), chunk.start + len(tokens))
-            state.fed.extend(tokens)
+            self._write(chunk.request_id, state, tokens, chunk.start)
+            self._save(chunk, state, chunk.start + len(tokens))
             if chunk.last:
                 state.prompt_done = True
                 state.last_sampled = fake_token(state.fed, chunk.sampling, self.vocab)
@@ -175,7 +226,7 @@ class FakeRanks:
             if row.token != state.last_sampled or row.position != len(state.fed):
                 raise RankStateError(f"request {row.request_id}: wrong token or position {row.position}")
             self._check_pages(row.request_id, state, unpack_list(row.page_ids), row.position + 1)
-            state.fed.append(row.token)
+            self._write(row.request_id, state, [row.token], row.position)
             state.last_sampled = fake_token(state.fed, row.sampling, self.vocab)
             results.append(TokenResult(row.request_id, state.last_sampled))
         if len(rows) != sum(owner is not None for owner in self.slot_map):

@@ -19,9 +19,11 @@ def make(
     max_batch_tokens: int = 16,
     eos=(63,),
     pipeline: bool = False,
+    snapshot_slots: int = 0,
+    snapshot_interval: int = 1024,
 ):
-    ranks = FakeRanks(Capacity(kv_pages, page_size, max_slots, max_batch_tokens))
-    return ranks, Scheduler(ranks, eos, pipeline=pipeline)
+    ranks = FakeRanks(Capacity(kv_pages, page_size, max_slots, max_batch_tokens, snapshot_slots))
+    return ranks, Scheduler(ranks, eos, pipeline=pipeline, prefix_snapshot_interval=snapshot_interval)
 
 
 pipelined = pytest.mark.parametrize("pipeline", [False, True], ids=["blocking", "pipelined"])
@@ -65,8 +67,10 @@ def run(sched: Scheduler, limit: int = 10_000) -> None:
 
 
 def assert_pools_full(ranks: FakeRanks, sched: Scheduler) -> None:
+    """Every request gone: every page free or cached with no reference, every slot free."""
     stats = sched.stats()
     assert (stats.kv_pages_used, stats.slots_used, stats.running, stats.waiting) == (0, 0, 0, 0)
-    assert sched.planner.pages.free == sched.planner.pages.total
+    sched.planner.cache.check_idle()
+    assert sched.planner.pages.free + stats.prefix_cache.cached_pages == sched.planner.pages.total
     assert ranks.live_requests() == set()
     assert ranks.slot_map == [None] * len(ranks.slot_map)

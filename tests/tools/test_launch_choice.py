@@ -42,6 +42,20 @@ def test_cpu_defaults_are_eager_float32_and_fixed_sizes(tmp_path: Path) -> None:
     assert (choice.kv_pages, choice.max_slots) == (512, 16)
 
 
+def test_the_prefix_cache_is_on_by_default_and_sized_by_the_ranks(tmp_path: Path) -> None:
+    model = _checkpoint(tmp_path)
+    choice = choose_launch(_args("--device", "cpu"), model)
+    assert (choice.prefix_cache, choice.prefix_snapshots) == (True, 0)
+    off = choose_launch(_args("--device", "cpu", "--no-prefix-cache"), model)
+    given = choose_launch(_args("--device", "cpu", "--prefix-snapshots", "64"), model)
+    assert (off.prefix_cache, given.prefix_snapshots) == (False, 64)
+    with pytest.raises(ValueError) as refused:
+        choose_launch(_args("--no-prefix-cache", "--prefix-snapshots", "8"), model)
+    assert (
+        str(refused.value) == "--prefix-snapshots sizes the prefix cache, which --no-prefix-cache turns off"
+    )
+
+
 def test_auto_device_follows_what_torch_sees(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 

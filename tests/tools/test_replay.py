@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from phalanx.engine.engine import EngineConfig, FinishEvent, GenerationParams, launch
@@ -30,6 +32,7 @@ from phalanx.protocol import (
     ReplyEnvelope,
     RequestRejected,
     SlotMove,
+    StateSnapshot,
     TokenResult,
     UnifiedDone,
     encode,
@@ -39,6 +42,7 @@ from phalanx.protocol.trace import open_trace, read_trace
 from phalanx.scheduler.requests import Request
 from phalanx.scheduler.scheduler import Scheduler
 from phalanx.tools.cli import main as phalanx
+from phalanx.tools.replay.run import replay_config
 from phalanx.tools.replay.show import describe_body
 
 EPOCH = 9
@@ -275,6 +279,22 @@ def _assert_the_whole_startup_is_shown(trace: Path, capsys: pytest.CaptureFixtur
     assert sum(op == "challenge" for _peer, op in ops) == 2
 
 
+def test_fresh_ranks_keep_as_many_snapshot_slots_as_the_recorded_ones(tmp_path: Path) -> None:
+    """The trace's restores and saves name the recorded ranks' snapshot slots."""
+    args = argparse.Namespace(model="m", tp=2, device="cpu", step_timeout=60.0, record=None)
+    configs = []
+    for slots in (5, 0):
+        path = tmp_path / f"snapshots-{slots}.trace"
+        with open_trace(path, epoch=EPOCH, world_size=2, meta={"tp": 2}) as w:
+            w.sent(
+                _cmd(0, Go(msgspec.structs.replace(CAP, snapshot_slots=slots), "tcp://127.0.0.1:1", "gloo"))
+            )
+        configs.append(replay_config(read_trace(path), args))
+    given, off = configs
+    assert (given.kv_pages, given.max_slots, given.prefix_cache, given.prefix_snapshots) == (8, 2, True, 5)
+    assert (off.prefix_cache, off.prefix_snapshots) == (False, 0)
+
+
 def test_replay_comparison_reports_a_changed_token_and_a_lost_failure() -> None:
     from phalanx.tools.replay.run import Outcome, compare
 
@@ -307,3 +327,10 @@ def test_show_names_a_rejected_request_and_why() -> None:
 def test_show_names_the_slot_a_prefill_chunk_feeds() -> None:
     body = Prefill([PrefillChunk(3, pack_ids([1, 2]), 0, pack_ids([0]), True, feed_slot=1)])
     assert describe_body(body) == "1 chunks: r3[0:2]pages=1+last->s1"
+
+
+def test_show_names_the_snapshots_a_prefill_chunk_restores_and_saves() -> None:
+    saves = [StateSnapshot(2, -5, 16), StateSnapshot(0, 9, 24)]
+    chunk = PrefillChunk(3, pack_ids([1] * 20), 8, pack_ids([0, 1, 2, 3, 4, 5, 6]), True)
+    body = Prefill([msgspec.structs.replace(chunk, restore=StateSnapshot(1, 4, 8), save=saves)])
+    assert describe_body(body) == "1 chunks: r3[8:28]pages=7+last<snap1#4>snap2#-5@16>snap0#9@24"

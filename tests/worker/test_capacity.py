@@ -12,7 +12,14 @@ import pytest
 import torch
 
 from phalanx.protocol.launch import WorkerLimits
-from phalanx.worker.capacity import CUDA_SLACK_BYTES, GIB, CapacityError, memory_line, size_capacity
+from phalanx.worker.capacity import (
+    CUDA_SLACK_BYTES,
+    GIB,
+    SNAPSHOT_SHARE,
+    CapacityError,
+    memory_line,
+    size_capacity,
+)
 from phalanx.worker.memory_profile import ActivationProfile
 
 MIB = 1 << 20
@@ -53,9 +60,49 @@ def test_defaults_take_256_slots_and_give_the_rest_to_kv_pages(gpu: dict[str, in
     assert plan.for_caches == budget
     assert capacity.max_slots == 256
     states = (256 + 256) * model.state  # decode slots (the 256 bucket) + prefill staging
-    assert capacity.kv_pages == (budget - states) // model.kv_page - 1
+    snapshots = int(budget * SNAPSHOT_SHARE) // model.state  # a tenth of the cache memory
+    assert capacity.snapshot_slots == snapshots == 243
+    assert capacity.kv_pages == (budget - states - snapshots * model.state) // model.kv_page - 1
     line = memory_line(capacity, plan, model, True, 32768)
     assert "(256 slots)" in line and "graph buckets 1-256" in line and "activations 1.00 GiB" in line
+    assert "request states 24.00 GiB (256 slots), prefix snapshots 243 (11.39 GiB)" in line
+    off, _ = size_capacity(
+        _limits(prefix_cache=False), model, CUDA, 0, cuda_graph=True, activations=activations
+    )
+    assert off.snapshot_slots == 0 and off.kv_pages == (budget - states) // model.kv_page - 1
+    assert "prefix cache off" in memory_line(off, plan, model, True, 32768)
+
+
+def test_prefix_snapshots_given_come_out_of_the_kv_pages(gpu: dict[str, int]) -> None:
+    model = _Model()
+    auto, _ = size_capacity(_limits(), model, CUDA, 0, cuda_graph=True)
+    given, _ = size_capacity(_limits(prefix_snapshots=1000), model, CUDA, 0, cuda_graph=True)
+    assert given.snapshot_slots == 1000 and given.max_slots == auto.max_slots
+    freed = (1000 - auto.snapshot_slots) * model.state
+    assert auto.kv_pages - given.kv_pages == pytest.approx(freed / model.kv_page, abs=1)
+    with pytest.raises(CapacityError) as caught:
+        size_capacity(_limits(prefix_snapshots=10_000), model, CUDA, 4, cuda_graph=True)
+    assert str(caught.value).startswith(
+        "rank 4: no memory is left for KV pages after 256 request states and 10000 prefix snapshots ("
+    )
+
+
+def test_auto_snapshots_leave_the_kv_pool_at_least_half_of_what_the_states_leave(
+    gpu: dict[str, int],
+) -> None:
+    """With --max-slots the states may take most of the memory: the snapshots take at most half
+    of the rest, not a tenth of the whole."""
+    model = _Model(state=400 * MIB)
+    capacity, plan = size_capacity(_limits(max_slots=130), model, CUDA, 0, cuda_graph=False)
+    assert plan is not None
+    left = plan.for_caches - 2 * capacity.max_slots * model.state
+    assert (
+        capacity.snapshot_slots
+        == left // 2 // model.state
+        < int(plan.for_caches * SNAPSHOT_SHARE) // model.state
+    )
+    assert capacity.max_slots == 130 and capacity.snapshot_slots == 17
+    assert capacity.kv_pages >= left // 2 // model.kv_page - 1
 
 
 def test_states_take_at_most_half_of_the_cache_memory_by_default(gpu: dict[str, int]) -> None:
@@ -90,8 +137,13 @@ def test_a_model_that_leaves_nothing_for_caches_is_one_sentence(gpu: dict[str, i
 
 
 def test_cpu_capacity_is_the_configured_limits() -> None:
-    capacity, plan = size_capacity(_limits(kv_pages=64, max_slots=4), _Model(), torch.device("cpu"), 0)
-    assert (capacity.kv_pages, capacity.max_slots, plan) == (64, 4, None)
+    cpu = torch.device("cpu")
+    capacity, plan = size_capacity(_limits(kv_pages=64, max_slots=4), _Model(), cpu, 0)
+    assert (capacity.kv_pages, capacity.max_slots, capacity.snapshot_slots, plan) == (64, 4, 8, None)
+    off, _ = size_capacity(_limits(kv_pages=64, max_slots=4, prefix_cache=False), _Model(), cpu, 0)
+    given, _ = size_capacity(_limits(kv_pages=64, max_slots=4, prefix_snapshots=3), _Model(), cpu, 0)
+    assert (off.snapshot_slots, given.snapshot_slots) == (0, 3)
+    assert off.kv_pages == given.kv_pages == 64
 
 
 def test_a_tp_rank_profiles_its_steps_before_the_process_group_exists(tiny_model_dir) -> None:

@@ -231,6 +231,8 @@ def test_state_slot_layout_completes_the_decode_region_to_the_top_bucket() -> No
     assert (layout.spare_base, layout.total) == (10, 13)
     assert state_slot_layout(5, cuda_graph=False).total == 10
     assert state_slot_layout(8, cuda_graph=True).total == 16
+    with_snapshots = state_slot_layout(5, cuda_graph=True, snapshot_slots=7)  # after the spare slots
+    assert (with_snapshots.snapshot_base, with_snapshots.snapshot_slots, with_snapshots.total) == (13, 7, 20)
 
 
 def test_staging_writes_rows_and_page_table_and_pads_the_bucket(monkeypatch: pytest.MonkeyPatch) -> None:

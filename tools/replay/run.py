@@ -140,8 +140,9 @@ def _replayable(step: Step) -> object | None:
     return command
 
 
-def replay_against_fresh_ranks(args: argparse.Namespace) -> int:
-    trace = read_trace(args.trace)
+def replay_config(trace: Trace, args: argparse.Namespace) -> ExecutorConfig:
+    """Fresh ranks as the recorded ones were: the capacity Go gave them (the launch settings of an
+    older trace without one), and as many snapshot slots, which the trace's restores and saves name."""
     capacity = recorded_capacity(trace)
     meta = trace.header.meta
     limits = {
@@ -149,14 +150,24 @@ def replay_against_fresh_ranks(args: argparse.Namespace) -> int:
         for name in ("kv_pages", "page_size", "max_slots", "max_batch_tokens")
         if capacity is not None or name in meta
     }
-    config = ExecutorConfig(
+    snapshots: dict[str, int | bool] = {}
+    if capacity is not None:
+        slots = capacity.snapshot_slots
+        snapshots = {"prefix_snapshots": slots} if slots else {"prefix_cache": False}
+    return ExecutorConfig(
         model_dir=args.model,
         tp=args.tp,
         device=args.device,
         step_timeout=args.step_timeout,
         record=args.record,
         **limits,
+        **snapshots,
     )
+
+
+def replay_against_fresh_ranks(args: argparse.Namespace) -> int:
+    trace = read_trace(args.trace)
+    config = replay_config(trace, args)
     replayed_steps = 0
     ex = launch_executor(config)
     try:

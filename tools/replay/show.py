@@ -42,7 +42,10 @@ def _chunk(c: PrefillChunk) -> str:
     end = c.start + len(unpack_ids(c.tokens))
     last = "+last" if c.last else ""
     feeds = f"->s{c.feed_slot}" if c.feed_slot != NO_FEED else ""  # keeps the token for that slot
-    return f"r{c.request_id}[{c.start}:{end}]pages={len(unpack_ids(c.page_ids))}{last}{feeds}"
+    # prefix-cache snapshots: restored from (snapshot slot, key) before, saved at positions after
+    restore = f"<snap{c.restore.slot}#{c.restore.key}" if c.restore is not None else ""
+    saves = "".join(f">snap{s.slot}#{s.key}@{s.position}" for s in c.save)
+    return f"r{c.request_id}[{c.start}:{end}]pages={len(unpack_ids(c.page_ids))}{last}{feeds}{restore}{saves}"
 
 
 def _row(r: DecodeRow) -> str:
