@@ -1,13 +1,17 @@
 """A prefill command's model work: its restores, then its chunks in waves split at their save points.
 
 A save copies a request's state as it stands after exactly ``position`` prompt tokens, while one
-model pass moves every chunk's state to the chunk's end. So each chunk is cut at its save points
-into segments, and wave k runs segment k of every chunk that has one (a chunk without saves runs
-whole in wave 0); after each wave, every chunk whose segment ended at a save point has its staging
-state copied into the save's snapshot slot. Every restore of the command (snapshot slot -> the
-request's staging slot) runs before the first wave, so a command may restore a slot that one of
-its own saves overwrites. A chunk's logits are those of its last segment's last token; prompt
-logprobs come from wave 0, which holds every chunk that asks for them whole (they save nothing).
+model pass moves every chunk's state to the chunk's end. A pass can leave states behind on its
+way, but only on the chunked delta rule's grid, every ``GDN_CHUNK`` tokens from where the chunk
+starts in the batch (``kernels/varlen.py``, ``StateCaptures``): a save on that grid is captured
+into its snapshot slot in the same pass, and a save at the chunk's end is copied out after it.
+Any other save cuts the chunk there into segments: wave k runs segment k of every chunk that has
+one (a chunk without such cuts runs whole in wave 0), and after each wave every chunk whose segment
+ended at a save has its staging state copied into the save's snapshot slot. Every restore of the
+command (snapshot slot -> the request's staging slot) runs before the first wave, so a command may
+restore a slot that one of its own saves overwrites. A chunk's logits are those of its last
+segment's last token; prompt logprobs come from wave 0, which holds every chunk that asks for them
+whole (they save nothing).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from phalanx.kernels.varlen import GDN_CHUNK
 from phalanx.models.qwen35 import PrefillBatch
 from phalanx.models.qwen35.parallel import TokenScores
 from phalanx.protocol.messages import PromptLogprobs, StateSnapshot
@@ -31,26 +36,37 @@ class Segment:
     index: int
     offset: int
     end: int
-    save: StateSnapshot | None  # taken once the segment has run (the save's position is its end)
+    save: StateSnapshot | None  # copied out once the segment has run (the save's position is its end)
     final: bool  # the chunk's last segment: its last token's logits are the chunk's
+    captures: tuple[StateSnapshot, ...] = ()  # saves inside the segment, on the grid: the same pass
 
 
 def split_waves(plans: list[ChunkPlan]) -> list[list[Segment]]:
     """The segments each wave runs, chunks in command order within a wave."""
     waves: list[list[Segment]] = []
     for index, plan in enumerate(plans):
-        start, length = plan.chunk.start, len(plan.tokens)
-        saves = {save.position - start: save for save in plan.chunk.save}
-        ends = list(saves)
-        if not ends or ends[-1] != length:
-            ends.append(length)
-        offset = 0
-        for wave, end in enumerate(ends):
+        for wave, segment in enumerate(_segments(index, plan)):
             if wave == len(waves):
                 waves.append([])
-            waves[wave].append(Segment(index, offset, end, saves.get(end), end == length))
-            offset = end
+            waves[wave].append(segment)
     return waves
+
+
+def _segments(index: int, plan: ChunkPlan) -> list[Segment]:
+    """The chunk cut at its saves that are neither at its end nor on its segment's grid."""
+    start, length = plan.chunk.start, len(plan.tokens)
+    segments: list[Segment] = []
+    offset, captures = 0, []
+    for save in plan.chunk.save:  # ascending, inside (start, start + length]
+        at = save.position - start
+        if at < length and (at - offset) % GDN_CHUNK == 0:
+            captures.append(save)
+            continue
+        segments.append(Segment(index, offset, at, save, at == length, tuple(captures)))
+        offset, captures = at, []
+    if offset < length:
+        segments.append(Segment(index, offset, length, None, True, tuple(captures)))
+    return segments
 
 
 @dataclass
@@ -76,7 +92,9 @@ def run_prefill(
     final: list[torch.Tensor | None] = [None] * len(plans)
     scores = None
     for number, wave in enumerate(waves):
-        batch = PrefillBatch.build([_batch_chunk(plans[s.index], s) for s in wave], device)
+        batch = PrefillBatch.build(
+            [_batch_chunk(plans[s.index], s) for s in wave], device, _captures(plans, wave, snapshots)
+        )
         if number == 0 and scoring is not None and scoring.rows:
             logits, scores = model.prefill_scored(batch, *scoring.tensors(device), scoring.top_n)
         else:
@@ -84,6 +102,8 @@ def run_prefill(
         for row, segment in enumerate(wave):
             if segment.final:
                 final[segment.index] = logits[row]
+            for captured in segment.captures:
+                snapshots.record(captured)
             if segment.save is not None:
                 state_slot = plans[segment.index].state.state_slot
                 model.copy_state(state_slot, snapshots.state_slot(segment.save.slot))
@@ -96,3 +116,18 @@ def _batch_chunk(plan: ChunkPlan, segment: Segment) -> tuple[list[int], int, int
     """(tokens, start, state slot, pages) of one segment, as ``PrefillBatch.build`` takes them."""
     tokens = plan.tokens[segment.offset : segment.end]
     return tokens, plan.chunk.start + segment.offset, plan.state.state_slot, plan.pages
+
+
+def _captures(
+    plans: list[ChunkPlan], wave: list[Segment], snapshots: SnapshotTable
+) -> list[tuple[int, int, int]]:
+    """(batch chunk, tokens into it, snapshot's state slot) of every save the wave captures."""
+    return [
+        (
+            row,
+            save.position - plans[segment.index].chunk.start - segment.offset,
+            snapshots.state_slot(save.slot),
+        )
+        for row, segment in enumerate(wave)
+        for save in segment.captures
+    ]

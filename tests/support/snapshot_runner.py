@@ -27,7 +27,8 @@ from phalanx.worker.snapshots import SnapshotTable
 
 PAGE = 4
 MAX_SLOTS = 3
-KV_PAGES = 40
+KV_PAGES = 160
+MAX_BATCH_TOKENS = 512
 SNAPSHOTS = 4
 DECODE_STEPS = 3
 SAMPLING = SamplingParams(logprobs=MAX_LOGPROBS)
@@ -40,9 +41,9 @@ def snapshot_runner(model: Qwen35Model, snapshots: int = SNAPSHOTS, graphs: bool
     layout = state_slot_layout(MAX_SLOTS, cuda_graph=graphs, snapshot_slots=snapshots)
     model.allocate_cache(KV_PAGES + 1, PAGE, layout.total)
     table = SnapshotTable(layout.snapshot_base, snapshots)
-    runner = StepRunner(model, CPU, 0, PAGE, KV_PAGES, MAX_SLOTS, 64, table)
+    runner = StepRunner(model, CPU, 0, PAGE, KV_PAGES, MAX_SLOTS, MAX_BATCH_TOKENS, table)
     if graphs:
-        capacity = Capacity(KV_PAGES, PAGE, MAX_SLOTS, 64, snapshots)
+        capacity = Capacity(KV_PAGES, PAGE, MAX_SLOTS, MAX_BATCH_TOKENS, snapshots)
         runner.graphs = build_graph_runner(model, capacity, CPU, rank=0, world_size=1)
         run_precapture_sweep(runner.graphs.run_phase, runner.graphs.buckets)
     return runner

@@ -128,3 +128,13 @@ def test_waves_cut_each_chunk_at_its_save_points() -> None:
         ],
         [Segment(0, 4, 8, save(1, 1, 16), final=True), Segment(2, 4, 6, None, final=True)],
     ]
+    # On the delta rule's 64-token grid of its segment a save is taken in the pass: request 1
+    # saves at 64 and 164 that way, and is cut at 100 (off the grid) and ends at 200.
+    waves = split_waves([plan(1, 0, 200, [64, 100, 164, 200]), plan(2, 64, 100, [128])])
+    assert waves == [
+        [
+            Segment(0, 0, 100, save(1, 1, 100), False, (save(0, 1, 64),)),
+            Segment(1, 0, 100, None, True, (save(0, 2, 128),)),
+        ],
+        [Segment(0, 100, 200, save(3, 1, 200), True, (save(2, 1, 164),))],
+    ]

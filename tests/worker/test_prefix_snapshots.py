@@ -147,3 +147,35 @@ def test_graph_decode_and_a_dropped_resumed_request_leave_the_snapshot_alone(
     assert_same(Outcome(results[4], want.state), want)
     assert runner.snapshots.held(0) == HeldSnapshot(3, 8)
     assert_states_equal(states(model, runner.snapshots.state_slot(0)), want_at_8)
+
+
+def test_saves_on_the_delta_rules_grid_are_taken_in_the_same_pass(
+    model: Qwen35Model, reference: Qwen35Model
+) -> None:
+    """Request 1 saves at 64 and 164 (on the 64-token grid of their segments: captured in the
+    pass), at 100 (off it: the chunk is cut there) and at 200, its end; request 2, the batch's
+    second chunk, captures at 64. Every snapshot equals an uninterrupted prefill that stops there,
+    and the one at 164 resumes a prompt that shares those tokens."""
+    long, other = prompt(11, 200), prompt(12, 70)
+    want_at = {n: uninterrupted(reference, long[:n]).state for n in (64, 100, 164, 200)}
+    want_other_at_64 = uninterrupted(reference, other[:64]).state
+    resumed = long[:164] + prompt(13, 9)
+    want_resumed = uninterrupted(reference, resumed)
+    runner = snapshot_runner(model, snapshots=6)
+    saves = tuple(StateSnapshot(slot, 10 + slot, n) for slot, n in enumerate((64, 100, 164, 200)))
+    long_pages, other_pages = pages_for(0, 200), pages_for(60, 70)
+    runner.prefill(
+        [
+            chunk(1, long, 0, long_pages, save=saves),
+            chunk(2, other, 0, other_pages, save=(StateSnapshot(4, 14, 64),)),
+        ]
+    )
+    for slot, n in enumerate((64, 100, 164, 200)):
+        assert runner.snapshots.held(slot) == HeldSnapshot(10 + slot, n)
+        assert_states_equal(states(model, runner.snapshots.state_slot(slot)), want_at[n])
+    assert_states_equal(states(model, runner.snapshots.state_slot(4)), want_other_at_64)
+    resumed_pages = long_pages[:41] + pages_for(100, len(resumed) + DECODE_STEPS - 164)
+    (first,) = runner.prefill(
+        [chunk(3, resumed[164:], 164, resumed_pages, restore=StateSnapshot(2, 12, 164))]
+    ).results
+    assert_same(outcome(runner, 3, first, 0, len(resumed), resumed_pages), want_resumed)
