@@ -111,12 +111,14 @@ def test_a_rank_without_snapshot_slots_refuses_every_save(runner: StepRunner) ->
     assert str(caught.value) == "request 1 saves snapshot slot 0 outside the worker's 0 snapshot slots"
 
 
-def test_waves_cut_each_chunk_at_its_save_points() -> None:
-    def plan(request_id: int, start: int, length: int, saves: list[int]) -> ChunkPlan:
-        snapshot = [StateSnapshot(i, request_id, p) for i, p in enumerate(saves)]
-        chunk = PrefillChunk(request_id, b"", start, b"", True, save=snapshot)
-        return ChunkPlan(chunk, RequestState(request_id, Phase.PREFILLING, start, 3), [1] * length, [])
+def _plan(request_id: int, start: int, length: int, saves: list[int]) -> ChunkPlan:
+    snapshot = [StateSnapshot(i, request_id, p) for i, p in enumerate(saves)]
+    chunk = PrefillChunk(request_id, b"", start, b"", True, save=snapshot)
+    return ChunkPlan(chunk, RequestState(request_id, Phase.PREFILLING, start, 3), [1] * length, [])
 
+
+def test_waves_cut_each_chunk_at_its_save_points() -> None:
+    plan = _plan
     # Request 1 saves at 12 (mid-chunk) and at 16, its end; request 2 saves nothing; request 3 at 4.
     waves = split_waves([plan(1, 8, 8, [12, 16]), plan(2, 0, 5, []), plan(3, 0, 6, [4])])
     save = StateSnapshot
@@ -127,4 +129,19 @@ def test_waves_cut_each_chunk_at_its_save_points() -> None:
             Segment(2, 0, 4, save(0, 3, 4), final=False),
         ],
         [Segment(0, 4, 8, save(1, 1, 16), final=True), Segment(2, 4, 6, None, final=True)],
+    ]
+
+
+def test_saves_on_the_64_token_grid_are_captured_in_one_wave() -> None:
+    """Saves at multiples of 64 past the chunk's start are taken inside its pass; one at its end
+    is a copy after it; a chunk with any other save is still cut."""
+    save = StateSnapshot
+    waves = split_waves([_plan(1, 64, 200, [128, 192, 264]), _plan(2, 0, 130, [64, 100])])
+    assert waves == [
+        [
+            Segment(0, 0, 200, save(2, 1, 264), final=True, captures=(save(0, 1, 128), save(1, 1, 192))),
+            Segment(1, 0, 64, save(0, 2, 64), final=False),
+        ],
+        [Segment(1, 64, 100, save(1, 2, 100), final=False)],
+        [Segment(1, 100, 130, None, final=True)],
     ]
