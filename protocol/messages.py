@@ -108,6 +108,13 @@ class StateSnapshot(msgspec.Struct, frozen=True, array_like=True):
     position: Count
 
 
+SNAPSHOT_GRID = 64
+"""Where a save costs a rank nothing: at a multiple of this many tokens past its chunk's start, a
+rank takes the snapshot within the chunk's own pass (the chunked delta rule holds the state at
+every 64th token anyway). A save anywhere else is exact too, but the rank then runs the rest of
+the chunk as a second pass."""
+
+
 class PrefillChunk(msgspec.Struct, frozen=True, array_like=True):
     """One contiguous piece of one request's prompt.
 
@@ -334,6 +341,7 @@ __all__ = [
     "RequestRejected",
     "SamplingParams",
     "Shutdown",
+    "SNAPSHOT_GRID",
     "SlotMove",
     "StateSnapshot",
     "TokenResult",

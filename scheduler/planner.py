@@ -182,6 +182,9 @@ class Planner:
             if budget <= 0:
                 break
             end = min(len(request.prompt), request.cursor + budget)
+            aligned = end // self.cache.grid * self.cache.grid
+            if end < len(request.prompt) and self.cache.enabled and aligned > request.cursor:
+                end = aligned  # the next chunk starts where the ranks' saves are free
             budget -= end - request.cursor
             planned.append((request, self._chunk(request, end)))
             request.cursor = end

@@ -26,10 +26,11 @@ never reads state saved in the same or a later command.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from phalanx.protocol.messages import StateSnapshot
+from phalanx.protocol.messages import SNAPSHOT_GRID, StateSnapshot
 from phalanx.protocol.packing import pack_ids
 from phalanx.scheduler.pages import PagePool
 
@@ -82,8 +83,10 @@ class PrefixCache:
             raise ValueError(f"prefix_snapshot_interval must be positive, got {snapshot_interval}")
         self.pool = pool
         self.enabled = snapshot_slots > 0
-        # Snapshots sit at page boundaries: the interval in whole pages, at least one.
-        self.snapshot_interval = max(snapshot_interval // pool.page_size, 1) * pool.page_size
+        # Snapshots sit at page boundaries, on the ranks' free grid where the prompt reaches it.
+        self.grid = math.lcm(pool.page_size, SNAPSHOT_GRID)
+        step = self.grid if snapshot_interval >= self.grid else pool.page_size
+        self.snapshot_interval = max(snapshot_interval // step, 1) * step
         self._blocks: dict[int, _Block] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()  # unreferenced block keys, LRU first
         self._free_slots = list(range(snapshot_slots - 1, -1, -1))
@@ -181,9 +184,11 @@ class PrefixCache:
         return saves
 
     def _save_points(self, prompt_length: int, start: int, end: int) -> list[int]:
-        """Every multiple of the interval and the last page boundary before the prompt's last
-        token, within ``(start, end]``."""
-        last = (prompt_length - 1) // self.pool.page_size * self.pool.page_size
+        """Every multiple of the interval and the last grid point before the prompt's last token
+        (its last page boundary if it reaches no grid point), within ``(start, end]``."""
+        last = (prompt_length - 1) // self.grid * self.grid or (
+            prompt_length - 1
+        ) // self.pool.page_size * self.pool.page_size
         first = (start // self.snapshot_interval + 1) * self.snapshot_interval
         points = list(range(first, min(end, last) + 1, self.snapshot_interval))
         if last > 0 and start < last <= end and last not in points:

@@ -26,11 +26,11 @@ SNAPSHOTS, INTERVAL = 6, 8  # few snapshot slots: the workloads below evict them
 SYSTEM = [(7 * i + 3) % 380 + 1 for i in range(45)]  # a shared "system prompt"
 
 
-def start(tiny_model_dir: Path, tp: int, cached: bool, **capacity: int) -> Engine:
+def start(tiny_model_dir: Path, tp: int, cached: bool, page_size: int = PAGE_SIZE, **capacity: int) -> Engine:
     config = EngineConfig(
         model_dir=tiny_model_dir,
         tp=tp,
-        page_size=PAGE_SIZE,
+        page_size=page_size,
         prefix_cache=cached,
         prefix_snapshot_interval=INTERVAL,
         step_timeout=60.0,
@@ -225,5 +225,27 @@ def test_soak_with_shared_prefixes_and_random_cancels(tiny_model_dir: Path) -> N
         assert cache.hits > 100 and 400 < cache.queries <= 500  # a request cancelled while queued: none
         checked = {stream.request_id for stream in cancelled + streams[::10]}
         assert_clean(engine, sorted(checked), kv_pages=96)
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
+def test_saves_on_the_grid_are_taken_in_the_chunks_own_pass_and_hit(
+    tiny_model_dir: Path, reference: Engine, tp: int
+) -> None:
+    """Pages of 16 and one 256-token chunk per prompt: the saves fall on the ranks' free grid
+    (64 and 128: captured inside the pass, no second wave), and a prompt sharing 150 tokens
+    restores at 128 and gives what the cache off gives."""
+    engine = start(tiny_model_dir, tp, cached=True, page_size=16, kv_pages=64, max_batch_tokens=256)
+    try:
+        engine._scheduler.planner.cache.snapshot_interval = 64
+        rng = random.Random(9)
+        first = [rng.randrange(1, 380) for _ in range(180)]
+        second = first[:150] + [rng.randrange(1, 380) for _ in range(30)]
+        for prompt in (first, second):
+            assert_same(greedy(engine, prompt), greedy(reference, prompt))
+        sent = chunks(engine)
+        assert [(c.start, [s.position for s in c.save]) for c in sent] == [(0, [64, 128]), (128, [])]
+        assert restores(engine) == [(sent[1].request_id, 128, 128)]
     finally:
         engine.shutdown()

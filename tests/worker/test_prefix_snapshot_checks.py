@@ -111,12 +111,14 @@ def test_a_rank_without_snapshot_slots_refuses_every_save(runner: StepRunner) ->
     assert str(caught.value) == "request 1 saves snapshot slot 0 outside the worker's 0 snapshot slots"
 
 
-def test_waves_cut_each_chunk_at_its_save_points() -> None:
-    def plan(request_id: int, start: int, length: int, saves: list[int]) -> ChunkPlan:
-        snapshot = [StateSnapshot(i, request_id, p) for i, p in enumerate(saves)]
-        chunk = PrefillChunk(request_id, b"", start, b"", True, save=snapshot)
-        return ChunkPlan(chunk, RequestState(request_id, Phase.PREFILLING, start, 3), [1] * length, [])
+def _plan(request_id: int, start: int, length: int, saves: list[int]) -> ChunkPlan:
+    snapshot = [StateSnapshot(i, request_id, p) for i, p in enumerate(saves)]
+    chunk = PrefillChunk(request_id, b"", start, b"", True, save=snapshot)
+    return ChunkPlan(chunk, RequestState(request_id, Phase.PREFILLING, start, 3), [1] * length, [])
 
+
+def test_waves_cut_each_chunk_at_its_save_points() -> None:
+    plan = _plan
     # Request 1 saves at 12 (mid-chunk) and at 16, its end; request 2 saves nothing; request 3 at 4.
     waves = split_waves([plan(1, 8, 8, [12, 16]), plan(2, 0, 5, []), plan(3, 0, 6, [4])])
     save = StateSnapshot
@@ -128,13 +130,21 @@ def test_waves_cut_each_chunk_at_its_save_points() -> None:
         ],
         [Segment(0, 4, 8, save(1, 1, 16), final=True), Segment(2, 4, 6, None, final=True)],
     ]
-    # On the delta rule's 64-token grid of its segment a save is taken in the pass: request 1
-    # saves at 64 and 164 that way, and is cut at 100 (off the grid) and ends at 200.
-    waves = split_waves([plan(1, 0, 200, [64, 100, 164, 200]), plan(2, 64, 100, [128])])
+
+
+def test_saves_on_the_64_token_grid_are_captured_in_one_wave() -> None:
+    """Saves at multiples of 64 past the chunk's start are taken inside its pass and one at its end
+    is a copy after it; any other save cuts the chunk, and the grid then counts from the cut:
+    request 2 is cut at 100 only, and takes 164 inside its second pass."""
+    save = StateSnapshot
+    waves = split_waves(
+        [_plan(1, 64, 200, [128, 192, 264]), _plan(2, 0, 200, [64, 100, 164, 200]), _plan(3, 64, 100, [128])]
+    )
     assert waves == [
         [
-            Segment(0, 0, 100, save(1, 1, 100), False, (save(0, 1, 64),)),
-            Segment(1, 0, 100, None, True, (save(0, 2, 128),)),
+            Segment(0, 0, 200, save(2, 1, 264), final=True, captures=(save(0, 1, 128), save(1, 1, 192))),
+            Segment(1, 0, 100, save(1, 2, 100), final=False, captures=(save(0, 2, 64),)),
+            Segment(2, 0, 100, None, final=True, captures=(save(0, 3, 128),)),
         ],
-        [Segment(0, 100, 200, save(3, 1, 200), True, (save(2, 1, 164),))],
+        [Segment(1, 100, 200, save(3, 2, 200), final=True, captures=(save(2, 2, 164),))],
     ]
