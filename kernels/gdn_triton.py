@@ -315,7 +315,7 @@ def _fla_chunk_kernel() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | No
     return chunk_gated_delta_rule
 
 
-def _fla_forward_keeping_chunk_states(
+def _fla_chunk_forward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -325,9 +325,10 @@ def _fla_forward_keeping_chunk_states(
     initial: torch.Tensor,
     varlen: Varlen,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """fla-core's ``chunk_gated_delta_rule`` forward, step by step as its own forward runs it, so
-    as to keep what that drops: the state at the start of every 64-token chunk ([1, NT, Hv, dk,
-    dv]), from which prefix-cache snapshots are taken mid-chunk at no extra pass."""
+    """fla-core's ``chunk_gated_delta_rule`` forward, step by step as its own forward runs it,
+    without the autograd function around it (inference only: less host time a layer), and keeping
+    what that drops: the state at the start of every 64-token chunk ([1, NT, Hv, dk, dv]), from
+    which prefix-cache snapshots are taken mid-chunk at no extra pass."""
     from fla.modules.norm.l2norm import l2norm_fwd
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
     from fla.ops.common.chunk_o import chunk_fwd_o
@@ -352,14 +353,6 @@ def _fla_forward_keeping_chunk_states(
     return o, final, chunk_states
 
 
-def _fla_bounds(
-    cu_seqlens: torch.Tensor, varlen: Varlen | None, device: torch.device
-) -> dict[str, torch.Tensor]:
-    if varlen is None:
-        return {"cu_seqlens": cu_seqlens.to(device=device, dtype=torch.long)}
-    return {"cu_seqlens": varlen.cu_seqlens_long, "chunk_indices": varlen.gdn_chunks}
-
-
 def gated_delta_rule_prefill_triton(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -372,7 +365,8 @@ def gated_delta_rule_prefill_triton(
     has_initial_state: torch.Tensor,
     varlen: Varlen | None = None,
 ) -> torch.Tensor:
-    """``varlen`` hands fla-core its chunk indices, which it would otherwise derive with host syncs."""
+    """With ``varlen`` fla-core's kernels run from its chunk indices (without it, fla-core derives
+    them with host syncs) and its state captures are taken."""
     chunk_kernel = _fla_chunk_kernel()
     captures = None if varlen is None else varlen.captures
     if chunk_kernel is None or not q.is_cuda:
@@ -399,17 +393,18 @@ def gated_delta_rule_prefill_triton(
         g.unsqueeze(0),
         beta.unsqueeze(0),
     )
-    if captures is None:
+    if varlen is None:
         o, final = chunk_kernel(
             *operands,
             scale=dk**-0.5,
             initial_state=initial,
             output_final_state=True,
             use_qk_l2norm_in_kernel=True,
-            **_fla_bounds(cu_seqlens, varlen, device),
+            cu_seqlens=cu_seqlens.to(device=device, dtype=torch.long),
         )
     else:
-        o, final, chunk_states = _fla_forward_keeping_chunk_states(*operands, dk**-0.5, initial, varlen)
-        state.index_copy_(0, captures.slots, chunk_states[0].index_select(0, captures.gdn_chunks).float())
+        o, final, chunk_states = _fla_chunk_forward(*operands, dk**-0.5, initial, varlen)
+        if captures is not None:
+            state.index_copy_(0, captures.slots, chunk_states[0].index_select(0, captures.gdn_chunks).float())
     state.index_copy_(0, slots, final.to(torch.float32))
     return o.squeeze(0).to(v.dtype)
