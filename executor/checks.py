@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 
 from phalanx.executor.errors import StepRejected
+from phalanx.protocol.codec import unpack_ids
 from phalanx.protocol.messages import (
     FED_TOKEN,
     MAX_LOGPROBS,
@@ -20,7 +21,6 @@ from phalanx.protocol.messages import (
     PrefillChunk,
     Unified,
 )
-from phalanx.protocol.packing import unpack_ids
 
 
 def _pages(op: str, request_id: int, packed: bytes, covered: int, capacity: Capacity) -> None:

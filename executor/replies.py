@@ -1,7 +1,9 @@
 """Validation of one step's replies, in one place: ``validate`` picks the check by command type.
 
-A step's replies are collected first (exactly ``world_size`` of them carrying the step's seq and
-epoch, see :mod:`executor.collect`), then checked here against the command that was sent: every
+A step's replies are collected first (``StepCollection``, at the end: exactly ``world_size`` of
+them carrying the step's seq; a reply with another seq is a stale answer to an earlier step and is
+rejected, never counted; the first ``Failed`` ends the collection at once, since a failed rank can
+leave its peers blocked in a collective), then checked against the command that was sent: every
 rank exactly once; rank 0 carries the step's reply and every other rank an Ack, or for a drop
 every rank a DropAck that agrees with the expectation; a token reply names each request it
 rejects once (``RequestRejected``: only that request fails, see ``protocol.replies``) and holds
@@ -14,6 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
+
+import structlog
 
 from phalanx.executor.errors import ReplyError
 from phalanx.protocol.messages import (
@@ -28,12 +32,15 @@ from phalanx.protocol.messages import (
     DropAck,
     DropRequest,
     Expectation,
+    Failed,
+    Heartbeat,
     Ping,
     Precapture,
     Prefill,
     PrefillChunk,
     PrefillDone,
     PromptLogprobs,
+    Refused,
     ReplyEnvelope,
     RequestRejected,
     Shutdown,
@@ -43,6 +50,7 @@ from phalanx.protocol.messages import (
 )
 
 T = TypeVar("T")
+log = structlog.get_logger("phalanx.executor")
 
 # What a validated step answers: rank 0's reply.
 StepReply = Ack | DropAck | PrefillDone | DecodeDone | UnifiedDone
@@ -232,3 +240,48 @@ VALIDATORS: dict[type, Callable[[Any, list[ReplyEnvelope], int], StepReply]] = {
 def validate(command: Command, replies: list[ReplyEnvelope], world_size: int) -> StepReply:
     """The step's reply (rank 0's), once every rank's reply agrees with ``command``."""
     return VALIDATORS[type(command)](command, replies, world_size)
+
+
+class RankFailed(Exception):
+    """A rank answered ``Failed`` (or ``Refused``: it executed nothing); the text is the poison
+    reason."""
+
+    def __init__(self, op: str, rank: int, failed: Failed | Refused) -> None:
+        if isinstance(failed, Refused):
+            text = f"rank {rank} refused {op}, a command outside the wire limits: {failed.message}"
+        else:
+            text = f"rank {rank} failed during {op} ({failed.phase}): {failed.message}"
+        super().__init__(text)
+        self.rank = rank
+        self.message = failed.message
+
+
+class StepCollection:
+    def __init__(self, op: str, seq: int, world_size: int) -> None:
+        self.op = op
+        self.seq = seq
+        self.world_size = world_size
+        self.replies: list[ReplyEnvelope] = []
+        self.rejected = 0
+
+    @property
+    def done(self) -> bool:
+        return len(self.replies) >= self.world_size
+
+    def offer(self, reply: ReplyEnvelope) -> None:
+        """Count ``reply`` if it belongs to this step; raise RankFailed on a Failed reply."""
+        if isinstance(reply.body, Heartbeat):
+            return
+        if reply.seq != self.seq:
+            self.rejected += 1
+            log.warning(
+                "stale reply rejected", op=self.op, reply_rank=reply.rank, reply_seq=reply.seq, seq=self.seq
+            )
+            return
+        if isinstance(reply.body, Failed | Refused):
+            raise RankFailed(self.op, reply.rank, reply.body)
+        self.replies.append(reply)
+
+    def missing_ranks(self) -> list[int]:
+        answered = {reply.rank for reply in self.replies}
+        return [rank for rank in range(self.world_size) if rank not in answered]

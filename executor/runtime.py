@@ -18,13 +18,13 @@ from typing import NoReturn
 import structlog
 
 from phalanx.executor import checks, replies
-from phalanx.executor.collect import RankFailed, StepCollection
 from phalanx.executor.config import ExecutorConfig
 from phalanx.executor.errors import ExecutorError, ReplyError
 from phalanx.executor.link import DispatchError, RankLink
 from phalanx.executor.logs import bind
 from phalanx.executor.model_info import ModelInfo
 from phalanx.executor.poison import Poison
+from phalanx.executor.replies import RankFailed, StepCollection
 from phalanx.protocol import PROTOCOL_VERSION, encode
 from phalanx.protocol.messages import Capacity, Command, Envelope, ReplyEnvelope, Shutdown
 from phalanx.protocol.transport import RuntimeDir

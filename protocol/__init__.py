@@ -1,10 +1,9 @@
 """The wire contract between the coordinator and its ranks. No torch here."""
 
-from phalanx.protocol.codec import decode_envelope, decode_reply, encode
+from phalanx.protocol.codec import decode_envelope, decode_reply, encode, pack_ids, unpack_ids, unpack_list
 from phalanx.protocol.errors import ProtocolError
 from phalanx.protocol.messages import *  # noqa: F403
 from phalanx.protocol.messages import PROTOCOL_VERSION
-from phalanx.protocol.packing import pack_ids, unpack_ids, unpack_list
 
 __all__ = [
     "PROTOCOL_VERSION",

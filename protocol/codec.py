@@ -1,11 +1,15 @@
-"""The one codec: msgpack via msgspec, typed decoding, version and epoch checks.
+"""The one codec: msgpack via msgspec, typed decoding, version and epoch checks; and the compact
+form of id lists inside messages (little-endian int32 bytes, not one msgpack object per id).
 
 ``encode`` checks what it encodes against the wire limits of ``protocol.messages`` (by decoding
 it again), so a value that does not fit raises here, before it is sent, rather than at a rank."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import msgspec
+import numpy as np
 
 from phalanx.protocol.errors import ProtocolError
 from phalanx.protocol.messages import PROTOCOL_VERSION, Envelope, ReplyEnvelope
@@ -79,3 +83,22 @@ def decode_envelope(frame: bytes, epoch: int | None = None) -> Envelope:
 
 def decode_reply(frame: bytes, epoch: int | None = None) -> ReplyEnvelope:
     return _decode(_reply_decoder, frame, epoch, "reply frame")
+
+
+_INT32 = np.dtype("<i4")
+
+
+def pack_ids(ids: Sequence[int] | np.ndarray) -> bytes:
+    """Pack token ids or page ids as little-endian int32 bytes."""
+    return np.asarray(ids, dtype=_INT32).tobytes()
+
+
+def unpack_ids(packed: bytes) -> np.ndarray:
+    """Inverse of :func:`pack_ids`; returns a read-only int32 array view."""
+    if len(packed) % 4:
+        raise ValueError(f"packed id buffer of {len(packed)} bytes is not a multiple of 4")
+    return np.frombuffer(packed, dtype=_INT32)
+
+
+def unpack_list(packed: bytes) -> list[int]:
+    return unpack_ids(packed).tolist()

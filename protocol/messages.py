@@ -3,7 +3,7 @@
 This module is the wire contract and its one import point. Each message is a frozen msgspec
 Struct; the ones that travel as the body of an envelope are members of a tagged union (the tag
 field is ``op``). Token ids and page tables travel packed as little-endian int32 bytes (see
-``protocol.packing``), never as one msgpack object per token.
+``protocol.codec``), never as one msgpack object per token.
 
 Lifecycle of a rank, as seen on the wire::
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import msgspec
 
 from phalanx.config.replica import SchedulingConfig
+from phalanx.protocol.codec import pack_ids, unpack_ids
 from phalanx.protocol.messages import (
     FED_TOKEN,
     NO_TOKEN,
@@ -26,7 +27,6 @@ from phalanx.protocol.messages import (
     PrefillChunk,
     Unified,
 )
-from phalanx.protocol.packing import pack_ids, unpack_ids
 from phalanx.scheduler.pages import PagePool, pages_for_tokens
 from phalanx.scheduler.prefix_cache import PrefixCache
 from phalanx.scheduler.requests import Phase, Request

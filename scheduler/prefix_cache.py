@@ -30,8 +30,8 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from phalanx.protocol.codec import pack_ids
 from phalanx.protocol.messages import SNAPSHOT_GRID, StateSnapshot
-from phalanx.protocol.packing import pack_ids
 from phalanx.scheduler.pages import PagePool
 
 _ROOT_KEY = 0  # the key "before" block 0

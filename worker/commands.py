@@ -3,7 +3,7 @@
 Every command is first checked against this rank's state (unknown request, phase, cached
 length, page coverage, slot owner, what a restored snapshot slot holds); a mismatch raises
 WorkerStateError before any model work. The same planning judges each request's own values
-(``worker/request_checks.py``; rank 0 also compiles the grammars there): a request this rank cannot
+(``worker/step_plans.py``; rank 0 also compiles the grammars there): a request this rank cannot
 serve is rejected alone, its chunk or row run with harmless values in place, and rank 0 answers it
 in the reply's ``rejected``. A prefill's model work, with the prefix cache's restores and saves,
 runs in ``worker/prefill_waves.py``; the snapshot checks are ``worker/snapshots.py``'s.
@@ -25,6 +25,7 @@ import torch
 
 from phalanx.kernels.host_staging_triton import feed_tokens
 from phalanx.models.qwen35 import DecodeBatch
+from phalanx.protocol.codec import unpack_list
 from phalanx.protocol.messages import (
     FED_TOKEN,
     NO_FEED,
@@ -33,19 +34,16 @@ from phalanx.protocol.messages import (
     PrefillChunk,
     PrefillDone,
 )
-from phalanx.protocol.packing import unpack_list
 from phalanx.worker.errors import WorkerStateError
 from phalanx.worker.faults import fault_point
 from phalanx.worker.grammar import GrammarTable
 from phalanx.worker.graphs import DecodeGraphRunner
 from phalanx.worker.pending_steps import PendingDecode, PendingPrefill, PendingUnified
 from phalanx.worker.prefill_waves import run_prefill
-from phalanx.worker.request_checks import judge_chunk, judge_row
-from phalanx.worker.request_table import Phase, RequestTable
+from phalanx.worker.request_table import Phase, RequestTable, SlotTable
 from phalanx.worker.sampling import DrawnTokens, draw_tokens
-from phalanx.worker.slots import SlotTable
 from phalanx.worker.snapshots import SnapshotTable, check_distinct_save_slots, check_restore, check_saves
-from phalanx.worker.step_plans import ChunkPlan, RowPlan, rejections
+from phalanx.worker.step_plans import ChunkPlan, RowPlan, judge_chunk, judge_row, rejections
 
 
 class StepRunner:

@@ -38,7 +38,7 @@ class PromptScoring:
     @classmethod
     def plan(cls, chunks: list[tuple[PrefillChunk, list[int]]]) -> PromptScoring | None:
         """The scoring of ``chunks`` (each with its tokens, in batch order; their token ids are
-        judged already, ``worker/request_checks.py``); None if none asks."""
+        judged already, ``worker/step_plans.py``); None if none asks."""
         scoring = cls()
         offset = 0
         for chunk, tokens in chunks:

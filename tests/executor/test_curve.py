@@ -16,8 +16,8 @@ import zmq
 from phalanx.executor.launcher import launch_executor
 from phalanx.protocol import PROTOCOL_VERSION, encode
 from phalanx.protocol.auth import key_from_secret, rank_authenticator
+from phalanx.protocol.codec import pack_ids
 from phalanx.protocol.messages import Ack, Ping, Prefill, ReplyEnvelope
-from phalanx.protocol.packing import pack_ids
 from tests.support.runtime_helpers import chunk, free_port, small_config, start_attached_rank
 
 SECRET = "curve-test-shared-secret-value"

@@ -13,6 +13,7 @@ from msgspec.structs import replace
 from phalanx.executor.checks import check_decode, check_drop, check_prefill, check_unified
 from phalanx.executor.errors import StepRejected
 from phalanx.executor.model_info import read_model_info
+from phalanx.protocol.codec import pack_ids
 from phalanx.protocol.messages import (
     NO_FEED,
     Capacity,
@@ -23,7 +24,6 @@ from phalanx.protocol.messages import (
     SlotMove,
     StateSnapshot,
 )
-from phalanx.protocol.packing import pack_ids
 
 CAPACITY = Capacity(kv_pages=8, page_size=4, max_slots=2, max_batch_tokens=10)
 VOCAB = 100

@@ -6,12 +6,12 @@ import time
 
 import pytest
 
-from phalanx.executor.collect import StepCollection
 from phalanx.executor.config import ExecutorConfig
 from phalanx.executor.errors import ExecutorPoisoned
 from phalanx.executor.link import DispatchError, RankLink
 from phalanx.executor.model_info import ModelInfo
 from phalanx.executor.ranks import RankHandle
+from phalanx.executor.replies import StepCollection
 from phalanx.executor.runtime import Executor
 from phalanx.protocol import PROTOCOL_VERSION, encode
 from phalanx.protocol.messages import Ack, Capacity, Failed, Heartbeat, Ping, ReplyEnvelope

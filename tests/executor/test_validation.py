@@ -6,10 +6,11 @@ import re
 
 import pytest
 
-from phalanx.executor.collect import RankFailed, StepCollection
 from phalanx.executor.errors import ExecutorPoisoned, ReplyError
 from phalanx.executor.poison import Poison
 from phalanx.executor.replies import (
+    RankFailed,
+    StepCollection,
     validate,
     validate_acks,
     validate_decode,
@@ -18,6 +19,7 @@ from phalanx.executor.replies import (
     validate_unified,
 )
 from phalanx.protocol import PROTOCOL_VERSION
+from phalanx.protocol.codec import pack_ids
 from phalanx.protocol.messages import (
     NO_TOKEN,
     Ack,
@@ -40,7 +42,6 @@ from phalanx.protocol.messages import (
     Unified,
     UnifiedDone,
 )
-from phalanx.protocol.packing import pack_ids
 
 
 def _reply(rank: int, body, seq: int = 5) -> ReplyEnvelope:

@@ -6,6 +6,7 @@ import msgspec
 import pytest
 
 from phalanx.protocol import PROTOCOL_VERSION, ProtocolError, decode_envelope, decode_reply, encode
+from phalanx.protocol.codec import pack_ids, unpack_list
 from phalanx.protocol.messages import (
     Decode,
     DecodeDone,
@@ -22,7 +23,6 @@ from phalanx.protocol.messages import (
     TokenResult,
     UnifiedDone,
 )
-from phalanx.protocol.packing import pack_ids, unpack_list
 
 
 def _envelope(body, epoch: int = 7, seq: int = 3) -> Envelope:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from phalanx.executor.replies import validate
 from phalanx.protocol import PROTOCOL_VERSION
+from phalanx.protocol.codec import unpack_list
 from phalanx.protocol.messages import (
     FED_TOKEN,
     NO_FEED,
@@ -53,7 +54,6 @@ from phalanx.protocol.messages import (
     Unified,
     UnifiedDone,
 )
-from phalanx.protocol.packing import unpack_list
 
 Reply = Ack | DropAck | PrefillDone | DecodeDone | UnifiedDone
 

@@ -12,8 +12,8 @@ import torch
 
 from phalanx.executor.launcher import ExecutorConfig
 from phalanx.executor.runtime import Executor
+from phalanx.protocol.codec import pack_ids
 from phalanx.protocol.messages import DecodeRow, PrefillChunk, SamplingParams, TokenResult
-from phalanx.protocol.packing import pack_ids
 
 PAGE = 4
 PAGES_PER_REQUEST = 4  # 16 positions per request

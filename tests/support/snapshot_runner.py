@@ -10,6 +10,7 @@ import torch
 
 from phalanx.executor.precapture import run_precapture_sweep
 from phalanx.models.qwen35 import Qwen35Model
+from phalanx.protocol.codec import pack_ids
 from phalanx.protocol.messages import (
     MAX_LOGPROBS,
     Capacity,
@@ -19,7 +20,6 @@ from phalanx.protocol.messages import (
     StateSnapshot,
     TokenResult,
 )
-from phalanx.protocol.packing import pack_ids
 from phalanx.worker.buckets import state_slot_layout
 from phalanx.worker.commands import StepRunner
 from phalanx.worker.graphs import build_graph_runner

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from phalanx.models.qwen35 import Qwen35Model
+from phalanx.protocol.codec import pack_ids
 from phalanx.protocol.messages import DecodeRow, PrefillChunk
-from phalanx.protocol.packing import pack_ids
 from phalanx.worker.commands import StepRunner
 
 PAGE = 4

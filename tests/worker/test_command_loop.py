@@ -8,6 +8,7 @@ import msgspec
 
 from phalanx.models.qwen35 import Qwen35Model
 from phalanx.protocol import PROTOCOL_VERSION, decode_reply, encode
+from phalanx.protocol.codec import pack_ids
 from phalanx.protocol.messages import (
     FED_TOKEN,
     Ack,
@@ -26,7 +27,6 @@ from phalanx.protocol.messages import (
     Unified,
     UnifiedDone,
 )
-from phalanx.protocol.packing import pack_ids
 from phalanx.protocol.transport import CoordinatorSocket, RankSocket, RuntimeDir
 from phalanx.worker.commands import StepRunner
 from phalanx.worker.loop import EXIT_OK, EXIT_POISONED, CommandLoop

@@ -11,6 +11,7 @@ import torch
 
 from phalanx.executor.precapture import run_precapture_sweep
 from phalanx.models.qwen35 import Qwen35Model
+from phalanx.protocol.codec import pack_ids
 from phalanx.protocol.messages import (
     FED_TOKEN,
     Capacity,
@@ -20,7 +21,6 @@ from phalanx.protocol.messages import (
     PrefillChunk,
     SlotMove,
 )
-from phalanx.protocol.packing import pack_ids
 from phalanx.worker.buckets import state_slot_layout
 from phalanx.worker.commands import StepRunner
 from phalanx.worker.graphs import build_graph_runner

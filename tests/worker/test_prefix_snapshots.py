@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from phalanx.models.qwen35 import Qwen35Model
+from phalanx.protocol.codec import pack_ids
 from phalanx.protocol.messages import DecodeRow, DropRequest, Expectation, StateSnapshot
-from phalanx.protocol.packing import pack_ids
 from phalanx.worker.snapshots import HeldSnapshot
 from tests.support.snapshot_runner import (
     DECODE_STEPS,

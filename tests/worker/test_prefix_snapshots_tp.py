@@ -11,8 +11,8 @@ import pytest
 
 from phalanx.executor.errors import StepRejected
 from phalanx.executor.launcher import launch_executor
+from phalanx.protocol.codec import pack_ids
 from phalanx.protocol.messages import Decode, DecodeRow, Prefill, PrefillChunk, StateSnapshot, TokenResult
-from phalanx.protocol.packing import pack_ids
 from tests.support.runtime_helpers import LOGPROBS, reference_generation, small_config
 
 SHARED = [5, 17, 42, 99, 7, 300, 12, 8, 61, 3, 250]  # the first 8 tokens are the shared prefix

@@ -1,4 +1,4 @@
-"""A request's own values that one rank judges (``worker/request_checks.py``), in process on the
+"""A request's own values that one rank judges (``worker/step_plans.py``), in process on the
 tiny model: the request is rejected alone, its chunk or row runs with harmless values in place, and
 its rank state stays what the command would have left."""
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from phalanx.models.qwen35 import PrefillBatch, Qwen35Model
+from phalanx.protocol.codec import pack_ids
 from phalanx.protocol.messages import (
     FED_TOKEN,
     DecodeRow,
@@ -14,7 +15,6 @@ from phalanx.protocol.messages import (
     PrefillChunk,
     SlotMove,
 )
-from phalanx.protocol.packing import pack_ids
 from phalanx.worker.commands import StepRunner
 from phalanx.worker.errors import WorkerStateError
 from tests.support.step_runner import (

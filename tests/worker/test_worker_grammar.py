@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from phalanx.models.qwen35 import Qwen35Model
+from phalanx.protocol.codec import pack_ids
 from phalanx.protocol.messages import DecodeRow, DropRequest, Expectation, PrefillChunk, SamplingParams
-from phalanx.protocol.packing import pack_ids
 from phalanx.server.detokenizer import TextTokenizer
 from phalanx.worker.commands import StepRunner
 from phalanx.worker.errors import WorkerStateError

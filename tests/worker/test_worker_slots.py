@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from phalanx.worker.errors import WorkerStateError
-from phalanx.worker.request_table import Phase, RequestTable
-from phalanx.worker.slots import SlotTable
+from phalanx.worker.request_table import Phase, RequestTable, SlotTable
 
 
 def test_admit_checks_range_and_occupancy() -> None:

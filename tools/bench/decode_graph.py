@@ -84,8 +84,8 @@ def pipelined_ms(
     enter as requests whose prompt is cached (``args.context`` tokens, as the other rows assume)."""
     import time
 
+    from phalanx.protocol.codec import pack_ids
     from phalanx.protocol.messages import FED_TOKEN, DecodeRow
-    from phalanx.protocol.packing import pack_ids
     from phalanx.worker.commands import StepRunner
     from phalanx.worker.request_table import Phase
 

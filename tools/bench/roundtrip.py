@@ -17,11 +17,11 @@ import statistics
 import sys
 import time
 
-from phalanx.executor.collect import StepCollection
 from phalanx.executor.link import RankLink
 from phalanx.executor.ranks import RankHandle
-from phalanx.executor.replies import validate_decode
+from phalanx.executor.replies import StepCollection, validate_decode
 from phalanx.protocol import PROTOCOL_VERSION, decode_envelope, encode
+from phalanx.protocol.codec import pack_ids
 from phalanx.protocol.messages import (
     Ack,
     Capacity,
@@ -34,7 +34,6 @@ from phalanx.protocol.messages import (
     Shutdown,
     TokenResult,
 )
-from phalanx.protocol.packing import pack_ids
 from phalanx.protocol.transport import CoordinatorSocket, RankSocket, RuntimeDir, tcp_address
 from phalanx.tools.bench.args import at_least, tp_degrees
 

@@ -3,6 +3,7 @@ summary of a command or reply body that every replay view prints."""
 
 from __future__ import annotations
 
+from phalanx.protocol.codec import unpack_ids
 from phalanx.protocol.messages import (
     FED_TOKEN,
     NO_FEED,
@@ -27,7 +28,6 @@ from phalanx.protocol.messages import (
     Unified,
     UnifiedDone,
 )
-from phalanx.protocol.packing import unpack_ids
 from phalanx.protocol.trace import ALL_RANKS, Direction, Entry, Trace
 
 MAX_ITEMS = 8  # items shown per line before "+N more"
