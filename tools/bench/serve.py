@@ -108,10 +108,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     constrained = parser.add_mutually_exclusive_group()
     constrained.add_argument(
-        "--response-format", choices=("json_object",), help="constrain every request's output to JSON"
+        "--response-format",
+        choices=("json_object",),
+        help="constrain every request's output to JSON (default: none, unconstrained)",
     )
     constrained.add_argument(
-        "--guided-json", type=Path, metavar="SCHEMA_FILE", help="constrain every request to this JSON schema"
+        "--guided-json",
+        type=Path,
+        metavar="SCHEMA_FILE",
+        help="constrain every request to this JSON schema (default: none, unconstrained)",
     )
     parser.add_argument("--out", type=Path, default=Path("bench-serve.json"), help="JSON result file")
 
