@@ -87,11 +87,16 @@ def _table(model_dir: Path) -> GrammarTable:
     return table
 
 
-def _drawn(tokens: list[int]) -> DrawnTokens:
-    """Greedy picks of exactly ``tokens``, as rank 0 samples them."""
+def _logits(tokens: list[int]) -> torch.Tensor:
+    """Logits whose greedy picks are exactly ``tokens``."""
     logits = torch.zeros(len(tokens), VOCAB)
     logits[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
-    return draw_tokens(logits, [SamplingParams()] * len(tokens), [0] * len(tokens))
+    return logits
+
+
+def _drawn(tokens: list[int]) -> DrawnTokens:
+    """Greedy picks of exactly ``tokens``, as rank 0 samples them."""
+    return draw_tokens(_logits(tokens), [SamplingParams()] * len(tokens), [0] * len(tokens))
 
 
 def test_packed_masks_equal_the_plain_masks_step_by_step(model_dir: Path) -> None:
@@ -143,3 +148,16 @@ def test_a_dropped_requests_pick_is_fed_to_no_one(model_dir: Path) -> None:
     table.start(2, GRAMMARS[2])  # the id again, a fresh grammar: the stale pick must not reach it
     plain.advance([4], [opening])
     assert torch.equal(table.allowed([1, 2, 4], CPU), plain.allowed([1, 2, 4]))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_masks_unpacked_on_the_gpu_equal_those_on_the_cpu(model_dir: Path) -> None:
+    on_cpu, on_gpu = _table(model_dir), _table(model_dir)
+    request_ids = [1, 2, 3, 4]
+    for _ in range(12):
+        expected = on_cpu.allowed(request_ids, CPU)
+        assert torch.equal(on_gpu.allowed(request_ids, torch.device("cuda")).cpu(), expected)
+        picks = [int(row.nonzero()[-1]) for row in expected]
+        on_cpu.defer(request_ids, _drawn(picks))
+        on_gpu.defer(request_ids, draw_tokens(_logits(picks).cuda(), [SamplingParams()] * 4, [0] * 4))

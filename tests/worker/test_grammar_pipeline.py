@@ -10,11 +10,8 @@ import llguidance
 import pytest
 import torch
 
-from phalanx.executor.precapture import run_precapture_sweep
-from phalanx.models.qwen35 import Qwen35Model
 from phalanx.protocol.messages import (
     FED_TOKEN,
-    Capacity,
     DecodeRow,
     DropRequest,
     Expectation,
@@ -23,16 +20,11 @@ from phalanx.protocol.messages import (
     SlotMove,
 )
 from phalanx.protocol.packing import pack_ids
-from phalanx.worker.buckets import state_slot_layout
 from phalanx.worker.commands import StepRunner
 from phalanx.worker.grammar import GrammarTable
-from phalanx.worker.graphs import build_graph_runner
+from tests.worker.test_pipelined_steps import PROMPTS, _pages
+from tests.worker.test_pipelined_steps import _rank as _plain_rank
 
-PAGE_SIZE, PAGES_PER_REQUEST, MAX_SLOTS = 8, 8, 4
-CAPACITY = Capacity(
-    kv_pages=MAX_SLOTS * PAGES_PER_REQUEST, page_size=PAGE_SIZE, max_slots=MAX_SLOTS, max_batch_tokens=64
-)
-PROMPTS = [[5, 9, 2], [7, 1, 1, 8, 3], [4], [6, 6]]
 GRAMMAR = llguidance.LLMatcher.grammar_from_regex(r"[a-z]{2,6}( [a-z]{2,6}){0,5}\.")
 SAMPLING = [  # request 1 has no grammar
     SamplingParams(temperature=1.0, seed=5),
@@ -45,21 +37,10 @@ STEPS, DROP_AT = 16, 6  # request 2 retires at DROP_AT, request 3 moves into its
 
 
 def _rank(model_dir: Path, graphs: bool) -> StepRunner:
-    model = Qwen35Model.load(model_dir, rank=0, world_size=1, device=torch.device("cpu"))
-    layout = state_slot_layout(MAX_SLOTS, cuda_graph=graphs)
-    model.allocate_cache(CAPACITY.kv_pages + 1, PAGE_SIZE, layout.total)
-    rank = StepRunner(
-        model, torch.device("cpu"), 0, PAGE_SIZE, CAPACITY.kv_pages, MAX_SLOTS, CAPACITY.max_batch_tokens
-    )
-    rank.grammars = GrammarTable(model_dir, model.config.vocab_size, model.config.eos_token_ids)
-    if graphs:
-        rank.graphs = build_graph_runner(model, CAPACITY, torch.device("cpu"), rank=0, world_size=1)
-        run_precapture_sweep(rank.graphs.run_phase, rank.graphs.buckets)
+    rank = _plain_rank(model_dir, torch.device("cpu"), graphs)
+    config = rank.model.config
+    rank.grammars = GrammarTable(model_dir, config.vocab_size, config.eos_token_ids)
     return rank
-
-
-def _pages(request: int) -> bytes:
-    return pack_ids(list(range(request * PAGES_PER_REQUEST, (request + 1) * PAGES_PER_REQUEST)))
 
 
 def _generate(rank: StepRunner, pipelined: bool) -> dict[int, list[int]]:
