@@ -84,7 +84,7 @@ class GrammarTable:
         return None
 
     def drop(self, request_id: int) -> None:
-        """Forget the request, and its picks not yet fed (a later request may reuse nothing of it)."""
+        """Forget the request and its picks not yet fed (a new request under its id starts clean)."""
         self._matchers.pop(request_id, None)
         self._deferred = [
             ([other if other != request_id else None for other in request_ids], drawn)
