@@ -183,8 +183,8 @@ class StepRunner:
         return None if self.grammars is None else self.grammars.allowed(request_ids, self.device)
 
     def _advance_grammars(self, request_ids: list[int], drawn: DrawnTokens) -> None:
-        if self.grammars is not None:  # the next pick's mask needs these tokens: read them now
-            self.grammars.advance(request_ids, drawn.tokens.tolist())
+        if self.grammars is not None:  # the next mask feeds them, once the next forward is launched
+            self.grammars.defer(request_ids, drawn)
 
     def _plan_decode(self, rows: list[DecodeRow]) -> list[RowPlan]:
         self._unique("decode", [row.request_id for row in rows])

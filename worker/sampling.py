@@ -200,11 +200,15 @@ class DrawnTokens:
     def ready(self) -> bool:
         return self._copied is None or self._copied.query()
 
-    def to_host(self) -> list[Sample]:
-        """Each row's Sample (waits for the copies)."""
+    def token_ids(self) -> list[int]:
+        """Each row's token (waits for the copies)."""
         if self._copied is not None:
             self._copied.synchronize()
-        tokens = self._host_tokens.tolist() if self._landed is None else self._landed.read()
+        return self._host_tokens.tolist() if self._landed is None else self._landed.read()
+
+    def to_host(self) -> list[Sample]:
+        """Each row's Sample (waits for the copies)."""
+        tokens = self.token_ids()
         report = self._host_report
         if report is None:
             return [Sample(token, None, None, None) for token in tokens]
@@ -234,7 +238,7 @@ def draw_tokens(
     device; ``to_host()`` of the result gives each row's Sample. ``greedy``, when given, is every
     row's argmax already (the decode graph picks it): rows that sample replace theirs in a copy.
     ``landed`` is where the graph also stored ``greedy`` on the host: read there if no row samples.
-    ``allowed`` (bool [rows, vocab]) are the ids each row may pick (a grammar's mask)."""
+    ``allowed`` (bool [rows, vocab], on the logits' device) are the ids each row may pick (a grammar's mask)."""
     _validate(logits, params, positions)
     steered = _steered(logits, params, positions, allowed)
     if steered is not None:

@@ -87,8 +87,10 @@ def _run_batch(table: GrammarTable, grammar: str, batch: int, vocab: int, steps:
         started = time.perf_counter()
         allowed = table.allowed(ids, torch.device("cpu"))
         masked = time.perf_counter()
-        tokens = draw_tokens(logits, params, [step] * batch, allowed=allowed).to_host()
-        table.advance(ids, [t.token for t in tokens])
+        drawn = draw_tokens(logits, params, [step] * batch, allowed=allowed)
+        tokens = drawn.to_host()
+        table.defer(ids, drawn)
+        table.advance_deferred()  # the worker feeds them at the next mask; counted with the pick here
         picks.append(time.perf_counter() - masked)
         masks.append(masked - started)
         started = time.perf_counter()
