@@ -10,6 +10,7 @@ import llguidance
 import pytest
 import torch
 
+from phalanx.protocol.codec import pack_ids
 from phalanx.protocol.messages import (
     FED_TOKEN,
     DecodeRow,
@@ -19,7 +20,6 @@ from phalanx.protocol.messages import (
     SamplingParams,
     SlotMove,
 )
-from phalanx.protocol.packing import pack_ids
 from phalanx.worker.commands import StepRunner
 from phalanx.worker.grammar import GrammarTable
 from tests.worker.test_pipelined_steps import PROMPTS, _pages
