@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from phalanx.models.qwen35 import DecodeBatch, PrefillBatch, Qwen35Model
+from tests.support.gpu_checks import DEVICES
 
 
 @pytest.fixture(scope="module")
@@ -77,19 +78,6 @@ def test_prefill_extent_checks(model: Qwen35Model) -> None:
         ValueError, match=r"rank 0: prefill token id 512 is outside the vocabulary \[0, 512\)"
     ):
         model.prefill(PrefillBatch.build([([1, 512], 0, 0, [0])]))
-
-
-DEVICES = [
-    pytest.param("cpu", id="cpu"),
-    pytest.param(
-        "cuda",
-        id="cuda",
-        marks=[
-            pytest.mark.cuda,
-            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-        ],
-    ),
-]
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -10,18 +10,8 @@ import torch
 
 from phalanx.kernels.varlen import Varlen
 from phalanx.models.qwen35 import PrefillBatch, Qwen35Model
+from tests.support.gpu_checks import DEVICES
 
-DEVICES = [
-    pytest.param("cpu", id="cpu"),
-    pytest.param(
-        "cuda",
-        id="cuda",
-        marks=[
-            pytest.mark.cuda,
-            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-        ],
-    ),
-]
 PAGE = 16
 
 

@@ -1,8 +1,22 @@
-"""Shared by the GPU test modules: the relative error they bound and their random operands."""
+"""Shared by the GPU test modules: the relative error they bound, their random operands, and the
+device parameter of a test that runs on the CPU and (marked ``cuda``) on the GPU."""
 
 from __future__ import annotations
 
+import pytest
 import torch
+
+DEVICES = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param(
+        "cuda",
+        id="cuda",
+        marks=[
+            pytest.mark.cuda,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+        ],
+    ),
+]
 
 
 def rel(out: torch.Tensor, ref: torch.Tensor) -> float:

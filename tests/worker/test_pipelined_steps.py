@@ -24,6 +24,7 @@ from phalanx.protocol.messages import (
 from phalanx.worker.buckets import state_slot_layout
 from phalanx.worker.commands import StepRunner
 from phalanx.worker.graphs import build_graph_runner
+from tests.support.gpu_checks import DEVICES
 
 PAGE_SIZE, PAGES_PER_REQUEST, MAX_SLOTS = 8, 8, 4
 CAPACITY = Capacity(
@@ -31,18 +32,6 @@ CAPACITY = Capacity(
 )
 PROMPTS = [[5, 9, 2], [7, 1, 1, 8, 3], [4], [6, 6]]
 STEPS, DROP_AT = 24, 12
-
-DEVICES = [
-    pytest.param("cpu", id="cpu"),
-    pytest.param(
-        "cuda",
-        id="cuda",
-        marks=[
-            pytest.mark.cuda,
-            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-        ],
-    ),
-]
 
 
 def _rank(model_dir: Path, device: torch.device, graphs: bool) -> StepRunner:
