@@ -19,7 +19,6 @@ import structlog
 
 from phalanx.protocol.messages import (
     DecodeDone,
-    PrefillChunk,
     PrefillDone,
     PromptLogprobs,
     Reply,
@@ -102,6 +101,7 @@ class Applier:
         rejected = rejections(reply, ended)
         finished = self._take_decode(plan, decoded, rejected, ended)
         self._publish_prompt_logprobs(scored, ended)
+        self._cache_chunks(plan.chunks, reply)
         return finished + self._take_prefill(plan.chunks, prefilled, rejected, ended)
 
     def take_first_tokens(self, plan: StepPlan, reply: Reply) -> dict[int, tuple[TokenEvent | None, Ending]]:
@@ -115,8 +115,9 @@ class Applier:
         ended: dict[int, tuple[TokenEvent | None, Ending]] = {
             request_id: (None, error) for request_id, error in rejected.items()
         }
-        for request, chunk in plan.chunks:
-            if self._answered(request, chunk, rejected):
+        self._cache_chunks(plan.chunks, reply)
+        for request, _ in plan.chunks:
+            if request.request_id in rejected:
                 continue
             event, reason = self._append_token(request, tokens[request.request_id])
             if reason is not None:
@@ -150,14 +151,16 @@ class Applier:
                 finished.append((row.slot, request, event, reason))
         return finished
 
-    def _answered(self, request: Request, chunk: PrefillChunk, rejected: dict[int, ErrorEvent]) -> bool:
-        """Hand the chunk's blocks and snapshots to the prefix cache, or drop them if the request
-        was rejected; returns whether it was."""
-        if request.request_id in rejected:
-            self.planner.chunk_rejected(chunk)
-            return True
-        self.planner.chunk_answered(request, chunk)
-        return False
+    def _cache_chunks(self, chunks: list[Planned], reply: Reply) -> None:
+        """Hand each answered chunk's blocks and snapshots to the prefix cache, but for a rejected
+        request's (ended or not: its chunk ran with stand-in values), whose are dropped."""
+        every = reply.rejected if isinstance(reply, PrefillDone | DecodeDone | UnifiedDone) else []
+        rejected = {entry.request_id for entry in every}
+        for request, chunk in chunks:
+            if request.request_id in rejected:
+                self.planner.chunk_rejected(chunk)
+            else:
+                self.planner.chunk_answered(request, chunk)
 
     def _take_prefill(
         self,
@@ -166,16 +169,14 @@ class Applier:
         rejected: dict[int, ErrorEvent],
         ended: Collection[int],
     ) -> list[Finished]:
-        """Each chunk's blocks and snapshots join the prefix cache; each finished prompt's first
-        token: its request is ready for decode."""
+        """Each finished prompt's first token: its request is ready for decode."""
         tokens = {result.request_id: result for result in results}
         finished: list[Finished] = []
         for request, chunk in chunks:
-            if self._answered(request, chunk, rejected):
-                if request.request_id not in ended:
-                    finished.append((-1, request, None, rejected[request.request_id]))
-                continue
             if request.request_id in ended:
+                continue
+            if request.request_id in rejected:
+                finished.append((-1, request, None, rejected[request.request_id]))
                 continue
             if not chunk.last:
                 continue
