@@ -28,12 +28,20 @@ class PrefillBatch:
     """n chunks, T tokens in all; a chunk with start == 0 starts from zero recurrent/conv state."""
 
     tokens: torch.Tensor  # [T] int64, the chunks concatenated
-    cu_seqlens: torch.Tensor  # [n+1] int32
-    starts: torch.Tensor  # [n] int32, position of each chunk's first token
     state_slots: torch.Tensor  # [n] int64
     page_tables: torch.Tensor  # [n, P] int32, covering positions [0, start+len)
     varlen: Varlen  # the chunk bounds in every form a layer's kernels read, worked out on the host
     token_range: tuple[int, int]  # (lowest, highest) token id, known on the host
+
+    @property
+    def cu_seqlens(self) -> torch.Tensor:
+        """[n+1] int32: chunk i holds tokens [cu[i], cu[i+1])."""
+        return self.varlen.cu_seqlens
+
+    @property
+    def starts(self) -> torch.Tensor:
+        """[n] int32: the position of each chunk's first token."""
+        return self.varlen.starts
 
     @classmethod
     def build(
@@ -57,8 +65,6 @@ class PrefillBatch:
         width = max(len(pages) for _, _, _, pages in chunks)
         return cls(
             tokens=torch.from_numpy(token_ids).to(device),
-            cu_seqlens=varlen.cu_seqlens,
-            starts=varlen.starts,
             state_slots=torch.tensor([slot for _, _, slot, _ in chunks], dtype=torch.int64).to(device),
             page_tables=torch.from_numpy(_host_page_table([pages for *_, pages in chunks], width)).to(device),
             varlen=varlen,
