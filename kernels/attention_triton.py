@@ -512,6 +512,10 @@ def _prefill_kernel(
     tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=row_mask[:, None])
 
 
+# Launched once per attention layer of every prefill: the cheaper launch path (kernels/launch.py).
+_prefill_launch = FastLaunch(_prefill_kernel)
+
+
 def paged_prefill_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -536,7 +540,8 @@ def paged_prefill_attention_triton(
     block_m, block_n = 64, 32
     device = q.device
     page_tables = page_tables.to(device)
-    _prefill_kernel[(cdiv(longest, block_m), n_chunks, heads)](
+    _prefill_launch(
+        (cdiv(longest, block_m), n_chunks, heads),
         q,
         k_cache,
         v_cache,
@@ -553,12 +558,12 @@ def paged_prefill_attention_triton(
         out.stride(0),
         out.stride(1),
         scale,
-        GROUP=heads // kv_heads,
-        D=dim,
-        PAGE=page_size,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        DOT_F32=_DOT_F32,
+        heads // kv_heads,
+        dim,
+        page_size,
+        block_m,
+        block_n,
+        _DOT_F32,
         num_warps=8,
         num_stages=2,
     )

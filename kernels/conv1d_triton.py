@@ -230,6 +230,11 @@ def _conv_prefill_state_kernel(
         tl.store(row + j, xv.to(state_ptr.dtype.element_ty) + sv, mask=c_mask)
 
 
+# A prefill launches these once per linear-attention layer: the cheaper launch path (kernels/launch.py).
+_conv_prefill_launch = FastLaunch(_conv_prefill_kernel)
+_conv_prefill_state_launch = FastLaunch(_conv_prefill_state_kernel)
+
+
 def causal_conv1d_prefill_triton(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -262,7 +267,8 @@ def causal_conv1d_prefill_triton(
         chunk_of = chunk_of.to(torch.int32)
     block_t, block_c = 16, 256
     grid = (cdiv(tokens, block_t), cdiv(channels, block_c))
-    _conv_prefill_kernel[grid](
+    _conv_prefill_launch(
+        grid,
         x,
         weight,
         conv_state,
@@ -276,12 +282,13 @@ def causal_conv1d_prefill_triton(
         x.stride(0),
         y.stride(0),
         conv_state.stride(0),
-        K=kernel,
-        BLOCK_T=block_t,
-        BLOCK_C=block_c,
+        kernel,
+        block_t,
+        block_c,
         num_warps=4,
     )
-    _conv_prefill_state_kernel[(n_chunks, cdiv(channels, 1024))](
+    _conv_prefill_state_launch(
+        (n_chunks, cdiv(channels, 1024)),
         x,
         conv_state,
         slots,
@@ -290,8 +297,8 @@ def causal_conv1d_prefill_triton(
         channels,
         x.stride(0),
         conv_state.stride(0),
-        K=kernel,
-        BLOCK_C=1024,
+        kernel,
+        1024,
         num_warps=4,
     )
     return y

@@ -132,3 +132,39 @@ def _delta_rule_block(
         last.exp().unsqueeze(-1) * state + (k * (last - cum).exp().unsqueeze(-1)).transpose(-1, -2) @ deltas
     )
     return new_state, out.transpose(0, 1)
+
+
+def split_conv_output(
+    mixed: torch.Tensor, key_heads: int, key_dim: int, value_heads: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The conv output [T, q | k | v] as q, k [T, Hk, dk] and v [T, Hv, dv] (views)."""
+    tokens, key_size = mixed.shape[0], key_heads * key_dim
+    q, k, v = mixed.split([key_size, key_size, mixed.shape[1] - 2 * key_size], dim=-1)
+    return (
+        q.reshape(tokens, key_heads, key_dim),
+        k.reshape(tokens, key_heads, key_dim),
+        v.reshape(tokens, value_heads, -1),
+    )
+
+
+def gdn_prefill_ref(
+    mixed: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    key_heads: int,
+    state: torch.Tensor,
+    state_slots: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    captures: StateCaptures | None = None,
+) -> torch.Tensor:
+    """A Gated DeltaNet layer's prefill from its conv output ``mixed`` [T, q | k | v] and gate
+    inputs ``a``, ``b`` [T, Hv]: ``gdn_gating_ref`` then ``gated_delta_rule_prefill_ref`` (the
+    state's shape [slots, Hv, dk, dv] gives the head sizes). Output [T, Hv, dv] in mixed's dtype."""
+    q, k, v = split_conv_output(mixed, key_heads, state.shape[2], state.shape[1])
+    g, beta = gdn_gating_ref(a, b, A_log, dt_bias)
+    return gated_delta_rule_prefill_ref(
+        q, k, v, g, beta, state, state_slots, cu_seqlens, has_initial_state, captures
+    )

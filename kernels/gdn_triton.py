@@ -14,9 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from phalanx.kernels.gdn import gated_delta_rule_prefill_ref
 from phalanx.kernels.launch import cdiv, next_pow2
-from phalanx.kernels.varlen import GDN_CHUNK, Varlen
 
 
 @triton.jit
@@ -308,49 +306,15 @@ def gated_delta_rule_prefill_recurrent_triton(
 def _fla_chunk_kernel() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
     if os.environ.get("TRITON_INTERPRET") == "1":
         return None
+    # fla-core's backend dispatch wraps each of its calls in torch.compiler.disable and a scan of
+    # alternative backends; we only run its Triton kernels, and a prefill makes ~100 such calls.
+    # Read when fla-core is first imported (here, in a rank); a value the user set is kept.
+    os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except ImportError:
         return None
     return chunk_gated_delta_rule
-
-
-def _fla_chunk_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    scale: float,
-    initial: torch.Tensor,
-    varlen: Varlen,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """fla-core's ``chunk_gated_delta_rule`` forward, step by step as its own forward runs it,
-    without the autograd function around it (inference only: less host time a layer), and keeping
-    what that drops: the state at the start of every 64-token chunk ([1, NT, Hv, dk, dv]), from
-    which prefix-cache snapshots are taken mid-chunk at no extra pass."""
-    from fla.modules.norm.l2norm import l2norm_fwd
-    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
-    from fla.ops.common.chunk_o import chunk_fwd_o
-    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
-    from fla.ops.utils import chunk_local_cumsum
-    from fla.ops.utils.constant import RCP_LN2
-
-    bounds = {
-        "cu_seqlens": varlen.cu_seqlens_long,
-        "chunk_indices": varlen.gdn_chunks,
-        "chunk_size": GDN_CHUNK,
-    }
-    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))  # as fla-core's input_guard does
-    q, _ = l2norm_fwd(q)
-    k, _ = l2norm_fwd(k)
-    g = chunk_local_cumsum(g, scale=RCP_LN2, **bounds)
-    w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g, beta=beta, **bounds)
-    chunk_states, v_new, final = chunk_gated_delta_rule_fwd_h(
-        k=k, w=w, u=u, g=g, initial_state=initial, output_final_state=True, **bounds
-    )
-    o = chunk_fwd_o(q=q, k=k, v=v_new, h=chunk_states, g=g, scale=scale, **bounds)
-    return o, final, chunk_states
 
 
 def gated_delta_rule_prefill_triton(
@@ -363,17 +327,12 @@ def gated_delta_rule_prefill_triton(
     state_slots: torch.Tensor,
     cu_seqlens: torch.Tensor,
     has_initial_state: torch.Tensor,
-    varlen: Varlen | None = None,
 ) -> torch.Tensor:
-    """With ``varlen`` fla-core's kernels run from its chunk indices (without it, fla-core derives
-    them with host syncs) and its state captures are taken."""
+    """fla-core's chunked kernel when it is installed (it derives the chunk bounds from
+    ``cu_seqlens`` with host syncs: the model's prefill goes through ``gdn_prefill_triton``, which
+    hands it bounds worked out on the host), else the token recurrence."""
     chunk_kernel = _fla_chunk_kernel()
-    captures = None if varlen is None else varlen.captures
     if chunk_kernel is None or not q.is_cuda:
-        if captures is not None:  # the recurrent kernel keeps no mid-chunk state: the reference does
-            return gated_delta_rule_prefill_ref(
-                q, k, v, g, beta, state, state_slots, cu_seqlens, has_initial_state, captures
-            )
         return gated_delta_rule_prefill_recurrent_triton(
             q, k, v, g, beta, state, state_slots, cu_seqlens, has_initial_state
         )
@@ -384,27 +343,18 @@ def gated_delta_rule_prefill_triton(
     slots = state_slots.to(device)
     keep = has_initial_state.to(device=device, dtype=torch.bool)
     initial = state.index_select(0, slots) * keep[:, None, None, None]
-    # fp32 operands: with bf16 ones fla's WY intermediates are bf16 and the final state drifts
-    # ~2e-3 from the fp32 recurrence; in fp32 (tf32 products) it stays within 1e-3.
-    operands = (
+    # fp32 operands, as in gdn_prefill_triton (kernels/gdn_prefill_triton.py says why).
+    o, final = chunk_kernel(
         q.unsqueeze(0).float(),
         k.unsqueeze(0).float(),
         v.unsqueeze(0).float(),
         g.unsqueeze(0),
         beta.unsqueeze(0),
+        scale=dk**-0.5,
+        initial_state=initial,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+        cu_seqlens=cu_seqlens.to(device=device, dtype=torch.long),
     )
-    if varlen is None:
-        o, final = chunk_kernel(
-            *operands,
-            scale=dk**-0.5,
-            initial_state=initial,
-            output_final_state=True,
-            use_qk_l2norm_in_kernel=True,
-            cu_seqlens=cu_seqlens.to(device=device, dtype=torch.long),
-        )
-    else:
-        o, final, chunk_states = _fla_chunk_forward(*operands, dk**-0.5, initial, varlen)
-        if captures is not None:
-            state.index_copy_(0, captures.slots, chunk_states[0].index_select(0, captures.gdn_chunks).float())
     state.index_copy_(0, slots, final.to(torch.float32))
     return o.squeeze(0).to(v.dtype)

@@ -18,7 +18,12 @@ from phalanx.kernels.activation import silu_and_mul_ref
 from phalanx.kernels.attention import paged_decode_attention_ref, paged_prefill_attention_ref
 from phalanx.kernels.conv1d import capture_conv_states, causal_conv1d_decode_ref, causal_conv1d_prefill_ref
 from phalanx.kernels.embedding import embedding_ref
-from phalanx.kernels.gdn import gated_delta_rule_decode_ref, gated_delta_rule_prefill_ref, gdn_gating_ref
+from phalanx.kernels.gdn import (
+    gated_delta_rule_decode_ref,
+    gated_delta_rule_prefill_ref,
+    gdn_gating_ref,
+    gdn_prefill_ref,
+)
 from phalanx.kernels.gdn_step import gdn_decode_step_ref
 from phalanx.kernels.greedy import greedy_pick_ref
 from phalanx.kernels.kv_cache import decode_kv_indices_ref, write_kv_ref
@@ -47,6 +52,7 @@ __all__ = [
     "norm_rope_write_kv",
     "gdn_decode_step",
     "gdn_gating",
+    "gdn_prefill",
     "greedy_pick",
     "linear",
     "linear_fp32",
@@ -304,16 +310,11 @@ def gated_delta_rule_prefill(
     state_slots: torch.Tensor,
     cu_seqlens: torch.Tensor,
     has_initial_state: torch.Tensor,
-    varlen: Varlen | None = None,
 ) -> torch.Tensor:
+    args = (q, k, v, g, beta, state, state_slots, cu_seqlens, has_initial_state)
     if q.is_cuda:
-        return _triton("gdn", "gated_delta_rule_prefill")(
-            q, k, v, g, beta, state, state_slots, cu_seqlens, has_initial_state, varlen
-        )
-    captures = None if varlen is None else varlen.captures
-    return gated_delta_rule_prefill_ref(
-        q, k, v, g, beta, state, state_slots, cu_seqlens, has_initial_state, captures
-    )
+        return _triton("gdn", "gated_delta_rule_prefill")(*args)
+    return gated_delta_rule_prefill_ref(*args)
 
 
 # Fused ops: each is the chain of the ops above that it replaces (see its reference module); on
@@ -337,6 +338,26 @@ def norm_rope_write_kv(
     if q.is_cuda:
         return _triton("rope_kv", "norm_rope_write_kv")(*args)
     return norm_rope_write_kv_ref(*args)
+
+
+def gdn_prefill(
+    mixed: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    key_heads: int,
+    state: torch.Tensor,
+    state_slots: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    varlen: Varlen | None = None,
+) -> torch.Tensor:
+    """``varlen``'s state captures (if any) are taken on the way."""
+    args = (mixed, a, b, A_log, dt_bias, key_heads, state, state_slots, cu_seqlens, has_initial_state)
+    if mixed.is_cuda:
+        return _triton("gdn_prefill", "gdn_prefill")(*args, varlen)
+    return gdn_prefill_ref(*args, None if varlen is None else varlen.captures)
 
 
 def gdn_decode_step(

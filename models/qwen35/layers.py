@@ -205,18 +205,13 @@ class GatedDeltaNet:
             ctx.has_initial_state,
             ctx.varlen,
         )
-        key_size = self.key_heads * self.key_dim
-        q, k, v = mixed.split([key_size, key_size, z_size], dim=-1)
-        q = q.reshape(tokens, self.key_heads, self.key_dim)
-        k = k.reshape(tokens, self.key_heads, self.key_dim)
-        v = v.reshape(tokens, self.value_heads, self.value_dim)
-        g, beta = ops.gdn_gating(a, b, self.A_log, self.dt_bias)
-        o = ops.gated_delta_rule_prefill(
-            q,
-            k,
-            v,
-            g,
-            beta,
+        o = ops.gdn_prefill(
+            mixed,
+            a,
+            b,
+            self.A_log,
+            self.dt_bias,
+            self.key_heads,
             self.recurrent_state,
             ctx.state_slots,
             ctx.cu_seqlens,

@@ -1,0 +1,225 @@
+"""A Gated DeltaNet layer's prefill from its conv output: gates and the chunked delta rule.
+
+Same signature and semantics as ``kernels/gdn.py`` ``gdn_prefill_ref``. With fla-core installed
+(the ``cuda`` extra) and the batch's chunk bounds known on the host (``Varlen``), one kernel turns
+the conv output into everything fla-core's chunked forward reads (q and k L2-normalised, q, k and v
+in fp32, the gates, and the decay's running sum within each 64-token chunk), then fla-core's
+forward steps run one by one. That single launch replaces seven, three of them through fla-core's
+Python wrappers, which cost more host time than their kernels take on the GPU in a short prefill
+(docs/benchmarks/prefill-h200.md). Without fla-core: the gates kernel and the token recurrence.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from phalanx.kernels.gdn import gated_delta_rule_prefill_ref, split_conv_output
+from phalanx.kernels.gdn_triton import (
+    _check_recurrent_state,
+    _fla_chunk_kernel,
+    gated_delta_rule_prefill_recurrent_triton,
+    gdn_gating_triton,
+    softplus_gate,
+)
+from phalanx.kernels.launch import FastLaunch, next_pow2
+from phalanx.kernels.varlen import GDN_CHUNK, Varlen
+
+
+@triton.jit
+def _store_l2_normalised(src, dst, rows, stride_src, HK, live, DK: tl.constexpr, BK: tl.constexpr):
+    """One head's [BT, DK] block of ``src`` (row stride ``stride_src``), each row divided by its
+    L2 norm as fla-core's l2norm does (1 / sqrt(sum + 1e-6)), stored fp32 into ``dst`` [T, HK, DK]."""
+    dk = tl.arange(0, BK)
+    mask = live[:, None] & (dk < DK)[None, :]
+    x = tl.load(src + rows[:, None] * stride_src + dk[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = x * (1.0 / tl.sqrt(tl.sum(x * x, axis=1) + 1e-6))[:, None]
+    tl.store(dst + rows[:, None] * (HK * DK) + dk[None, :], x, mask=mask)
+
+
+@triton.jit
+def _chunk_inputs_kernel(
+    mixed_ptr,
+    a_ptr,
+    b_ptr,
+    alog_ptr,
+    dt_ptr,
+    cu_ptr,
+    chunks_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    g_ptr,
+    beta_ptr,
+    stride_mixed,
+    stride_a,
+    stride_b,
+    HK,
+    HV,
+    g_scale,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+):
+    """Program (chunk, value head h): that 64-token chunk's gates, cumulative decay and v for head
+    h, and its q and k for key head h when h < HK."""
+    chunk = tl.program_id(0)
+    h = tl.program_id(1)
+    sequence = tl.load(chunks_ptr + 2 * chunk)
+    index = tl.load(chunks_ptr + 2 * chunk + 1)
+    end = tl.load(cu_ptr + sequence + 1)
+    rows = tl.load(cu_ptr + sequence) + index * BT + tl.arange(0, BT)
+    live = rows < end
+    a = tl.load(a_ptr + rows * stride_a + h, mask=live, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + rows * stride_b + h, mask=live, other=0.0).to(tl.float32)
+    a_log = tl.load(alog_ptr + h).to(tl.float32)
+    dt = tl.load(dt_ptr + h).to(tl.float32)
+    g = tl.where(live, softplus_gate(a, dt, a_log), 0.0)
+    tl.store(g_ptr + rows * HV + h, tl.cumsum(g, axis=0) * g_scale, mask=live)
+    tl.store(beta_ptr + rows * HV + h, tl.sigmoid(b), mask=live)
+    dv = tl.arange(0, BV)
+    v_mask = live[:, None] & (dv < DV)[None, :]
+    v_src = mixed_ptr + 2 * HK * DK + h * DV
+    v = tl.load(v_src + rows[:, None] * stride_mixed + dv[None, :], mask=v_mask, other=0.0)
+    tl.store(v_ptr + rows[:, None] * (HV * DV) + h * DV + dv[None, :], v.to(tl.float32), mask=v_mask)
+    if h < HK:
+        _store_l2_normalised(mixed_ptr + h * DK, q_ptr + h * DK, rows, stride_mixed, HK, live, DK, BK)
+        _store_l2_normalised(mixed_ptr + (HK + h) * DK, k_ptr + h * DK, rows, stride_mixed, HK, live, DK, BK)
+
+
+_chunk_inputs_launch = FastLaunch(_chunk_inputs_kernel)
+
+
+def gdn_chunk_inputs_triton(
+    mixed: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    key_heads: int,
+    key_dim: int,
+    varlen: Varlen,
+    g_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From the conv output ``mixed`` [T, q | k | v] and the gate inputs ``a``, ``b`` [T, Hv]
+    (column slices are fine): q, k [T, Hk, dk] L2-normalised, v [T, Hv, dv], g [T, Hv] the log
+    decay summed from the start of its 64-token chunk and scaled by ``g_scale``, beta [T, Hv];
+    all fp32 and contiguous."""
+    tokens, value_heads = a.shape
+    value_dim = (mixed.shape[1] - 2 * key_heads * key_dim) // value_heads
+    if mixed.stride(-1) != 1 or a.stride(-1) != 1 or b.stride(-1) != 1:
+        raise ValueError("gdn_chunk_inputs needs unit column strides in mixed, a and b")
+    f32 = {"dtype": torch.float32, "device": mixed.device}
+    q = torch.empty((tokens, key_heads, key_dim), **f32)
+    k = torch.empty((tokens, key_heads, key_dim), **f32)
+    v = torch.empty((tokens, value_heads, value_dim), **f32)
+    g = torch.empty((tokens, value_heads), **f32)
+    beta = torch.empty((tokens, value_heads), **f32)
+    chunk_count = varlen.gdn_chunks.shape[0]
+    if chunk_count:
+        _chunk_inputs_launch(
+            (chunk_count, value_heads),
+            mixed,
+            a,
+            b,
+            A_log,
+            dt_bias,
+            varlen.cu_seqlens_long,
+            varlen.gdn_chunks,
+            q,
+            k,
+            v,
+            g,
+            beta,
+            mixed.stride(0),
+            a.stride(0),
+            b.stride(0),
+            key_heads,
+            value_heads,
+            g_scale,
+            key_dim,
+            value_dim,
+            GDN_CHUNK,
+            next_pow2(key_dim),
+            next_pow2(value_dim),
+            num_warps=4,
+        )
+    return q, k, v, g, beta
+
+
+def _fla_chunk_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    initial: torch.Tensor,
+    varlen: Varlen,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fla-core's ``chunk_gated_delta_rule`` forward after its l2norm and decay cumsum (the inputs
+    come from ``gdn_chunk_inputs_triton``), step by step as its own forward runs them, without the
+    autograd function around it, and keeping what that drops: the state at the start of every
+    64-token chunk ([1, NT, Hv, dk, dv]), from which prefix-cache snapshots are taken mid-chunk at
+    no extra pass. Inputs [1, T, heads, ...] as fla-core takes them."""
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+    from fla.ops.common.chunk_o import chunk_fwd_o
+    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+
+    bounds = {
+        "cu_seqlens": varlen.cu_seqlens_long,
+        "chunk_indices": varlen.gdn_chunks,
+        "chunk_size": GDN_CHUNK,
+    }
+    w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g, beta=beta, **bounds)
+    chunk_states, v_new, final = chunk_gated_delta_rule_fwd_h(
+        k=k, w=w, u=u, g=g, initial_state=initial, output_final_state=True, **bounds
+    )
+    o = chunk_fwd_o(q=q, k=k, v=v_new, h=chunk_states, g=g, scale=scale, **bounds)
+    return o, final, chunk_states
+
+
+def gdn_prefill_triton(
+    mixed: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    key_heads: int,
+    state: torch.Tensor,
+    state_slots: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    varlen: Varlen | None = None,
+) -> torch.Tensor:
+    """With fla-core and ``varlen``: the fused inputs kernel, then fla-core's chunked forward,
+    taking ``varlen``'s state captures on the way; otherwise the unfused chain."""
+    value_heads, key_dim, value_dim = state.shape[1:]
+    if _fla_chunk_kernel() is None or varlen is None or not mixed.is_cuda:
+        q, k, v = split_conv_output(mixed, key_heads, key_dim, value_heads)
+        g, beta = gdn_gating_triton(a, b, A_log, dt_bias)
+        args = (q, k, v, g, beta, state, state_slots, cu_seqlens, has_initial_state)
+        if varlen is not None and varlen.captures is not None:
+            # The recurrent kernel keeps no mid-chunk state: the reference takes the captures.
+            return gated_delta_rule_prefill_ref(*args, varlen.captures)
+        return gated_delta_rule_prefill_recurrent_triton(*args)
+    from fla.ops.utils.constant import RCP_LN2
+
+    _check_recurrent_state(state, value_heads, key_dim, value_dim)
+    inputs = gdn_chunk_inputs_triton(mixed, a, b, A_log, dt_bias, key_heads, key_dim, varlen, RCP_LN2)
+    slots = state_slots.to(mixed.device)
+    keep = has_initial_state.to(device=mixed.device, dtype=torch.bool)
+    initial = state.index_select(0, slots) * keep[:, None, None, None]
+    # fp32 operands: with bf16 ones fla's WY intermediates are bf16 and the final state drifts
+    # ~2e-3 from the fp32 recurrence; in fp32 (tf32 products) it stays within 1e-3.
+    o, final, chunk_states = _fla_chunk_forward(
+        *(t.unsqueeze(0) for t in inputs), key_dim**-0.5, initial, varlen
+    )
+    captures = varlen.captures
+    if captures is not None:
+        state.index_copy_(0, captures.slots, chunk_states[0].index_select(0, captures.gdn_chunks).float())
+    state.index_copy_(0, slots, final.to(torch.float32))
+    return o.squeeze(0).to(mixed.dtype)
