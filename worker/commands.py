@@ -308,8 +308,8 @@ class StepRunner:
         return self._run_decode(self._plan_decode(rows))
 
     def unified(self, chunks: list[PrefillChunk], rows: list[DecodeRow]) -> PendingUnified | None:
-        """Prefill first, then decode; both halves are checked before either runs. Rank 0 gets
-        the step back in flight (``PendingUnified.reply``)."""
+        """Decode, then prefill; both halves are checked before either runs. Rank 0 gets the step
+        back in flight (``PendingUnified.reply``)."""
         fault_point("unified", self.rank)
         for chunk in chunks:
             if chunk.feed_slot != NO_FEED:
@@ -323,8 +323,10 @@ class StepRunner:
                 raise WorkerStateError(f"request {row.request_id} appears in both prefill and decode")
         decode_plans = self._plan_decode(rows)
         prefill_plans = self._plan_prefill(chunks)
-        prefill_step = self._run_prefill(prefill_plans)
+        # Decode first: its graph replay is one launch, so the GPU runs it while the host is still
+        # launching the prefill's kernels one by one (the halves touch disjoint requests).
         decode_step = self._run_decode(decode_plans)
+        prefill_step = self._run_prefill(prefill_plans)
         if prefill_step is None or decode_step is None:
             return None
         return PendingUnified(prefill_step, decode_step)
