@@ -157,7 +157,7 @@ def _fla_chunk_forward(
     g: torch.Tensor,
     beta: torch.Tensor,
     scale: float,
-    initial: torch.Tensor,
+    initial: torch.Tensor | None,
     varlen: Varlen,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """fla-core's ``chunk_gated_delta_rule`` forward after its l2norm and decay cumsum (the inputs
@@ -211,8 +211,10 @@ def gdn_prefill_triton(
     _check_recurrent_state(state, value_heads, key_dim, value_dim)
     inputs = gdn_chunk_inputs_triton(mixed, a, b, A_log, dt_bias, key_heads, key_dim, varlen, RCP_LN2)
     slots = state_slots.to(mixed.device)
-    keep = has_initial_state.to(device=mixed.device, dtype=torch.bool)
-    initial = state.index_select(0, slots) * keep[:, None, None, None]
+    initial = None  # every chunk starts a prompt: fla-core starts from zeros without a gather
+    if varlen.continues:
+        keep = has_initial_state.to(device=mixed.device, dtype=torch.bool)
+        initial = state.index_select(0, slots) * keep[:, None, None, None]
     # fp32 operands: with bf16 ones fla's WY intermediates are bf16 and the final state drifts
     # ~2e-3 from the fp32 recurrence; in fp32 (tf32 products) it stays within 1e-3.
     o, final, chunk_states = _fla_chunk_forward(

@@ -48,6 +48,7 @@ class Varlen:
     gdn_chunks: torch.Tensor  # [NT, 2] int64: fla-core's chunk_indices for GDN_CHUNK
     longest: int  # tokens of the longest chunk
     ends: tuple[int, ...]  # each chunk's start + length, on the host
+    continues: bool  # some chunk continues a cached prefix (has an initial state), on the host
     captures: StateCaptures | None = None
 
     @classmethod
@@ -112,6 +113,7 @@ class Varlen:
             gdn_chunks=torch.stack([sequence_dev, index_dev], 1),
             longest=int(length.max()),
             ends=tuple((start + length).tolist()),
+            continues=bool(start.any()),
             captures=StateCaptures(tuple(capture_chunk.tolist()), tuple(capture_offset.tolist()), *captured)
             if m
             else None,
