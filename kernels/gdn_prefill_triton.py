@@ -11,6 +11,9 @@ Python wrappers, which cost more host time than their kernels take on the GPU in
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -18,13 +21,28 @@ import triton.language as tl
 from phalanx.kernels.gdn import gated_delta_rule_prefill_ref, split_conv_output
 from phalanx.kernels.gdn_triton import (
     _check_recurrent_state,
-    _fla_chunk_kernel,
-    gated_delta_rule_prefill_recurrent_triton,
+    gated_delta_rule_prefill_triton,
     gdn_gating_triton,
     softplus_gate,
 )
 from phalanx.kernels.launch import FastLaunch, next_pow2
 from phalanx.kernels.varlen import GDN_CHUNK, Varlen
+
+
+@functools.cache
+def fla_core_available() -> bool:
+    """Whether fla-core's kernels can run here (installed, and not under the Triton interpreter)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    # fla-core's backend dispatch wraps each of its calls in torch.compiler.disable and a scan of
+    # alternative backends; we only run its Triton kernels, and a prefill makes ~100 such calls.
+    # Read when fla-core is first imported (here, in a rank); a value the user set is kept.
+    os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")
+    try:
+        import fla.ops.gated_delta_rule  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 @triton.jit
@@ -198,14 +216,14 @@ def gdn_prefill_triton(
     """With fla-core and ``varlen``: the fused inputs kernel, then fla-core's chunked forward,
     taking ``varlen``'s state captures on the way; otherwise the unfused chain."""
     value_heads, key_dim, value_dim = state.shape[1:]
-    if _fla_chunk_kernel() is None or varlen is None or not mixed.is_cuda:
+    if not fla_core_available() or varlen is None or not mixed.is_cuda:
         q, k, v = split_conv_output(mixed, key_heads, key_dim, value_heads)
         g, beta = gdn_gating_triton(a, b, A_log, dt_bias)
         args = (q, k, v, g, beta, state, state_slots, cu_seqlens, has_initial_state)
         if varlen is not None and varlen.captures is not None:
             # The recurrent kernel keeps no mid-chunk state: the reference takes the captures.
             return gated_delta_rule_prefill_ref(*args, varlen.captures)
-        return gated_delta_rule_prefill_recurrent_triton(*args)
+        return gated_delta_rule_prefill_triton(*args)
     from fla.ops.utils.constant import RCP_LN2
 
     _check_recurrent_state(state, value_heads, key_dim, value_dim)

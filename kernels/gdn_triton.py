@@ -1,14 +1,10 @@
-"""Triton Gated DeltaNet ops: gates, the delta-rule decode step and the chunked prefill.
+"""Triton Gated DeltaNet ops: gates, the delta-rule decode step and the prefill recurrence.
 
 Same signatures and semantics as ``kernels/gdn.py``. State layout ``[slots, Hv, dk, dv]`` fp32.
-Prefill uses fla-core's chunked (WY) kernel when it is installed (the ``cuda`` extra); without it,
-a sequential Triton recurrence over the tokens computes the same function."""
+The prefill here is a sequential recurrence over the tokens; the model's prefill goes through
+``kernels/gdn_prefill_triton.py``, which runs fla-core's chunked (WY) kernels when it is installed."""
 
 from __future__ import annotations
-
-import functools
-import os
-from collections.abc import Callable
 
 import torch
 import triton
@@ -246,7 +242,7 @@ def _delta_rule_prefill_kernel(
     tl.store(s_ptrs, s, mask=s_mask)
 
 
-def gated_delta_rule_prefill_recurrent_triton(
+def gated_delta_rule_prefill_triton(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -257,7 +253,8 @@ def gated_delta_rule_prefill_recurrent_triton(
     cu_seqlens: torch.Tensor,
     has_initial_state: torch.Tensor,
 ) -> torch.Tensor:
-    """The prefill as a token-by-token recurrence (one program per chunk, head and dv block)."""
+    """The prefill as a token-by-token recurrence (one program per chunk, head and dv block): the
+    path without fla-core (``gdn_prefill_triton`` runs fla-core's chunked kernels when installed)."""
     tokens, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
     _check_recurrent_state(state, hv, dk, dv)
@@ -300,61 +297,3 @@ def gated_delta_rule_prefill_recurrent_triton(
         num_warps=4,
     )
     return o
-
-
-@functools.cache
-def _fla_chunk_kernel() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return None
-    # fla-core's backend dispatch wraps each of its calls in torch.compiler.disable and a scan of
-    # alternative backends; we only run its Triton kernels, and a prefill makes ~100 such calls.
-    # Read when fla-core is first imported (here, in a rank); a value the user set is kept.
-    os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")
-    try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-    except ImportError:
-        return None
-    return chunk_gated_delta_rule
-
-
-def gated_delta_rule_prefill_triton(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    state: torch.Tensor,
-    state_slots: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    has_initial_state: torch.Tensor,
-) -> torch.Tensor:
-    """fla-core's chunked kernel when it is installed (it derives the chunk bounds from
-    ``cu_seqlens`` with host syncs: the model's prefill goes through ``gdn_prefill_triton``, which
-    hands it bounds worked out on the host), else the token recurrence."""
-    chunk_kernel = _fla_chunk_kernel()
-    if chunk_kernel is None or not q.is_cuda:
-        return gated_delta_rule_prefill_recurrent_triton(
-            q, k, v, g, beta, state, state_slots, cu_seqlens, has_initial_state
-        )
-    tokens, hk, dk = q.shape
-    hv, dv = v.shape[1], v.shape[2]
-    _check_recurrent_state(state, hv, dk, dv)
-    device = v.device
-    slots = state_slots.to(device)
-    keep = has_initial_state.to(device=device, dtype=torch.bool)
-    initial = state.index_select(0, slots) * keep[:, None, None, None]
-    # fp32 operands, as in gdn_prefill_triton (kernels/gdn_prefill_triton.py says why).
-    o, final = chunk_kernel(
-        q.unsqueeze(0).float(),
-        k.unsqueeze(0).float(),
-        v.unsqueeze(0).float(),
-        g.unsqueeze(0),
-        beta.unsqueeze(0),
-        scale=dk**-0.5,
-        initial_state=initial,
-        output_final_state=True,
-        use_qk_l2norm_in_kernel=True,
-        cu_seqlens=cu_seqlens.to(device=device, dtype=torch.long),
-    )
-    state.index_copy_(0, slots, final.to(torch.float32))
-    return o.squeeze(0).to(v.dtype)

@@ -276,18 +276,10 @@ def test_gated_delta_rule_decode() -> None:
     assert rel(state, state_ref) <= STATE_TOL
 
 
-@pytest.mark.parametrize("path", ["chunked", "recurrent"])
-def test_gated_delta_rule_prefill(path: str) -> None:
-    from phalanx.kernels import gdn_triton
+def test_gated_delta_rule_prefill_recurrence() -> None:
     from phalanx.kernels.gdn import gated_delta_rule_prefill_ref
+    from phalanx.kernels.gdn_triton import gated_delta_rule_prefill_triton
 
-    fn = (
-        gdn_triton.gated_delta_rule_prefill_triton
-        if path == "chunked"
-        else gdn_triton.gated_delta_rule_prefill_recurrent_triton
-    )
-    if path == "chunked" and gdn_triton._fla_chunk_kernel() is None:
-        pytest.skip("fla-core is not installed")
     lens = [300, 1, 64, 100]
     q, k, v, g, beta = gdn_inputs(sum(lens))
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
@@ -295,7 +287,7 @@ def test_gated_delta_rule_prefill(path: str) -> None:
     state = torch.randn(8, HV, DK, DV, device=DEV) * 0.1
     state_ref = state.clone()
     slots = torch.tensor([5, 0, 7, 2], device=DEV)
-    o = fn(q, k, v, g, beta, state, slots, cu, init)
+    o = gated_delta_rule_prefill_triton(q, k, v, g, beta, state, slots, cu, init)
     o_ref = gated_delta_rule_prefill_ref(q, k, v, g, beta, state_ref, slots, cu, init)
     assert rel(o, o_ref) <= OUT_TOL
     assert rel(state, state_ref) <= STATE_TOL
@@ -304,12 +296,11 @@ def test_gated_delta_rule_prefill(path: str) -> None:
 def test_gdn_prefill_fused_inputs_and_fla_core() -> None:
     """The model's GDN prefill (fused inputs kernel, fla-core's forward from host chunk bounds,
     captures on the way) against the reference chain, chunks continuing and starting fresh."""
-    from phalanx.kernels import gdn_triton
     from phalanx.kernels.gdn import gdn_prefill_ref
-    from phalanx.kernels.gdn_prefill_triton import gdn_prefill_triton
+    from phalanx.kernels.gdn_prefill_triton import fla_core_available, gdn_prefill_triton
     from phalanx.kernels.varlen import Varlen
 
-    if gdn_triton._fla_chunk_kernel() is None:
+    if not fla_core_available():
         pytest.skip("fla-core is not installed")
     lens, starts = [300, 1, 64, 100], [0, 7, 64, 0]
     tokens = sum(lens)
