@@ -9,7 +9,6 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -18,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from phalanx.server.prompt_tokens import SLICE_CHARS
-from tests.support.live_server import MODEL_NAME, live_server
+from tests.support.live_server import MODEL_NAME
 
 INT64 = 1 << 63
 CHAT = "/v1/chat/completions"
@@ -27,10 +26,8 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture(scope="module")
-def base_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    log = tmp_path_factory.mktemp("limits") / "server.log"
-    with live_server(tiny_model_dir, log) as url:
-        yield url
+def base_url(tiny_server: str) -> str:
+    return tiny_server
 
 
 @pytest.fixture(scope="module")

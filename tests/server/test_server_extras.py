@@ -5,7 +5,6 @@ naming it."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -14,14 +13,12 @@ import pytest
 import torch
 
 from phalanx.server.detokenizer import TextTokenizer
-from tests.support.live_server import MODEL_NAME, live_server, metric, wait_for_metric
+from tests.support.live_server import MODEL_NAME, metric, wait_for_metric
 
 
 @pytest.fixture(scope="module")
-def base_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    log = tmp_path_factory.mktemp("server_extras") / "server.log"
-    with live_server(tiny_model_dir, log, "--max-batch-tokens", "16") as url:
-        yield url
+def base_url(tiny_server_small_batches: str) -> str:
+    return tiny_server_small_batches
 
 
 @pytest.fixture(scope="module")

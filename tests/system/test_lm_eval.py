@@ -6,14 +6,13 @@ loglikelihoods lm-eval reports equal transformers' on the same token ids (fp32).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from tests.support.live_server import MODEL_NAME, live_server
+from tests.support.live_server import MODEL_NAME
 
 QUESTIONS = [
     {"question": "The sky is", "choices": [" blue", " green", " made of cheese"], "answer": 0},
@@ -24,10 +23,8 @@ PROMPTS = [{"question": "Say hello", "answer": "hello"}, {"question": "Count to 
 
 
 @pytest.fixture(scope="module")
-def base_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    log = tmp_path_factory.mktemp("lm_eval_server") / "server.log"
-    with live_server(tiny_model_dir, log) as url:
-        yield url
+def base_url(tiny_server: str) -> str:
+    return tiny_server
 
 
 def _tasks(root: Path) -> Path:
