@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from phalanx.tools.cli import main as phalanx
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -42,11 +46,17 @@ def test_both_modes_time_the_same_tokens() -> None:
     assert "every mode generated the same 12 tokens at batch 1" in lines
 
 
-def test_an_unknown_mode_is_refused() -> None:
-    done = _bench("--modes", "pipelined,overlapped")
-    assert done.returncode == 2
+def test_an_unknown_mode_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    """In process: a refusal needs no rank, and a child would spend seconds importing torch."""
     assert (
-        "phalanx bench engine: unknown mode overlapped; choose from ['pipelined', 'blocking']" in done.stdout
+        phalanx(
+            ["bench", "engine", "--geometry", "tiny", "--device", "cpu", "--modes", "pipelined,overlapped"]
+        )
+        == 2
+    )
+    assert (
+        "phalanx bench engine: unknown mode overlapped; choose from ['pipelined', 'blocking']"
+        in capsys.readouterr().out
     )
 
 
@@ -65,7 +75,8 @@ def test_staggered_arrivals_time_each_requests_own_span() -> None:
     assert itl <= p99 <= longest and tpot == whole  # each request's own first-to-last span
 
 
-def test_a_negative_arrival_gap_is_refused() -> None:
-    done = _bench("--arrival-ms", "-1")
-    assert done.returncode == 2
-    assert "argument --arrival-ms: must be 0 ms or more, got -1" in done.stderr
+def test_a_negative_arrival_gap_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as refused:
+        phalanx(["bench", "engine", "--geometry", "tiny", "--device", "cpu", "--arrival-ms", "-1"])
+    assert refused.value.code == 2
+    assert "argument --arrival-ms: must be 0 ms or more, got -1" in capsys.readouterr().err
