@@ -144,9 +144,10 @@ def test_a_body_over_the_limit_is_a_413(http: httpx.Client) -> None:
 
 
 def _largest_gap_of_a_stream_while(http: httpx.Client, refused: Callable[[], None]) -> float:
-    """Run ``refused`` while a long generation streams; the largest gap between its events (s)."""
+    """Run ``refused`` while a long generation streams; the largest gap between its events (s),
+    up to the first event after ``refused`` returned (the stream is then closed, not read out)."""
     gaps: list[float] = []
-    streaming = threading.Event()
+    streaming, refusal_done, outlived = threading.Event(), threading.Event(), threading.Event()
 
     def stream() -> None:
         body = _body(COMPLETIONS, prompt=[5, 6, 7], max_tokens=400, ignore_eos=True, stream=True)
@@ -156,15 +157,21 @@ def _largest_gap_of_a_stream_while(http: httpx.Client, refused: Callable[[], Non
                 now = time.monotonic()
                 if line.startswith("data:") and last is not None:
                     gaps.append(now - last)
+                    if refusal_done.is_set():  # this gap spans the refusal's end
+                        outlived.set()
+                        return
                 last = now
                 streaming.set()
 
     streamer = threading.Thread(target=stream)
     streamer.start()
     assert streaming.wait(30)
-    refused()
-    streamer.join()
-    assert len(gaps) >= 400, len(gaps)
+    try:
+        refused()
+    finally:
+        refusal_done.set()
+        streamer.join()
+    assert outlived.is_set(), "the stream ended before the refusal did"
     return max(gaps)
 
 
