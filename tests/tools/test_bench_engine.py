@@ -1,37 +1,35 @@
 """``phalanx bench engine`` on the CPU: a random tiny checkpoint, both decode modes through real
-rank processes, one table, and the same greedy tokens from each mode."""
+rank processes, one table, and the same greedy tokens from each mode. Run in process: the ranks
+are spawned all the same, and a child would spend seconds importing what pytest holds already."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
+from dataclasses import dataclass
 
 import pytest
 
 from phalanx.tools.cli import main as phalanx
 
-ROOT = Path(__file__).resolve().parents[2]
+
+@dataclass
+class Done:
+    returncode: int
+    stdout: str
+    stderr: str
 
 
-def _bench(*args: str) -> subprocess.CompletedProcess[str]:
-    command = [
-        sys.executable,
-        "-m",
-        "tools",
-        "bench",
-        "engine",
-        "--geometry",
-        "tiny",
-        "--device",
-        "cpu",
-        *args,
-    ]
-    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+def _bench(capsys: pytest.CaptureFixture[str], *args: str) -> Done:
+    """``phalanx bench engine --geometry tiny --device cpu ARGS``: its exit code and output."""
+    try:
+        code = phalanx(["bench", "engine", "--geometry", "tiny", "--device", "cpu", *args])
+    except SystemExit as refused:  # argparse's usage errors
+        code = refused.code
+    out = capsys.readouterr()
+    return Done(code, out.out, out.err)
 
 
-def test_both_modes_time_the_same_tokens() -> None:
-    done = _bench("--batch", "1,2", "--prompt-len", "9", "--output-len", "12")
+def test_both_modes_time_the_same_tokens(capsys: pytest.CaptureFixture[str]) -> None:
+    done = _bench(capsys, "--batch", "1,2", "--prompt-len", "9", "--output-len", "12")
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
     header = lines.index(
@@ -47,22 +45,16 @@ def test_both_modes_time_the_same_tokens() -> None:
 
 
 def test_an_unknown_mode_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
-    """In process: a refusal needs no rank, and a child would spend seconds importing torch."""
+    done = _bench(capsys, "--modes", "pipelined,overlapped")
+    assert done.returncode == 2
     assert (
-        phalanx(
-            ["bench", "engine", "--geometry", "tiny", "--device", "cpu", "--modes", "pipelined,overlapped"]
-        )
-        == 2
-    )
-    assert (
-        "phalanx bench engine: unknown mode overlapped; choose from ['pipelined', 'blocking']"
-        in capsys.readouterr().out
+        "phalanx bench engine: unknown mode overlapped; choose from ['pipelined', 'blocking']" in done.stdout
     )
 
 
-def test_staggered_arrivals_time_each_requests_own_span() -> None:
+def test_staggered_arrivals_time_each_requests_own_span(capsys: pytest.CaptureFixture[str]) -> None:
     done = _bench(
-        "--batch", "3", "--prompt-len", "9", "--output-len", "12", "--arrival-ms", "5", "--modes", "pipelined"
+        capsys, "--batch", "3", "--prompt-len", "9", "--output-len", "12", "--arrival-ms", "5", "--modes", "pipelined"
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
@@ -76,7 +68,6 @@ def test_staggered_arrivals_time_each_requests_own_span() -> None:
 
 
 def test_a_negative_arrival_gap_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as refused:
-        phalanx(["bench", "engine", "--geometry", "tiny", "--device", "cpu", "--arrival-ms", "-1"])
-    assert refused.value.code == 2
-    assert "argument --arrival-ms: must be 0 ms or more, got -1" in capsys.readouterr().err
+    done = _bench(capsys, "--arrival-ms", "-1")
+    assert done.returncode == 2
+    assert "argument --arrival-ms: must be 0 ms or more, got -1" in done.stderr
