@@ -9,7 +9,6 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -18,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from phalanx.server.prompt_tokens import SLICE_CHARS
-from tests.support.live_server import MODEL_NAME, live_server
+from tests.support.live_server import MODEL_NAME
 
 INT64 = 1 << 63
 CHAT = "/v1/chat/completions"
@@ -27,10 +26,8 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture(scope="module")
-def base_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    log = tmp_path_factory.mktemp("limits") / "server.log"
-    with live_server(tiny_model_dir, log) as url:
-        yield url
+def base_url(tiny_server: str) -> str:
+    return tiny_server
 
 
 @pytest.fixture(scope="module")
@@ -147,9 +144,10 @@ def test_a_body_over_the_limit_is_a_413(http: httpx.Client) -> None:
 
 
 def _largest_gap_of_a_stream_while(http: httpx.Client, refused: Callable[[], None]) -> float:
-    """Run ``refused`` while a long generation streams; the largest gap between its events (s)."""
+    """Run ``refused`` while a long generation streams; the largest gap between its events (s),
+    up to the first event after ``refused`` returned (the stream is then closed, not read out)."""
     gaps: list[float] = []
-    streaming = threading.Event()
+    streaming, refusal_done, outlived = threading.Event(), threading.Event(), threading.Event()
 
     def stream() -> None:
         body = _body(COMPLETIONS, prompt=[5, 6, 7], max_tokens=400, ignore_eos=True, stream=True)
@@ -159,15 +157,21 @@ def _largest_gap_of_a_stream_while(http: httpx.Client, refused: Callable[[], Non
                 now = time.monotonic()
                 if line.startswith("data:") and last is not None:
                     gaps.append(now - last)
+                    if refusal_done.is_set():  # this gap spans the refusal's end
+                        outlived.set()
+                        return
                 last = now
                 streaming.set()
 
     streamer = threading.Thread(target=stream)
     streamer.start()
     assert streaming.wait(30)
-    refused()
-    streamer.join()
-    assert len(gaps) >= 400, len(gaps)
+    try:
+        refused()
+    finally:
+        refusal_done.set()
+        streamer.join()
+    assert outlived.is_set(), "the stream ended before the refusal did"
     return max(gaps)
 
 

@@ -7,8 +7,6 @@ completions ``OpenAI.batch``, which sends its prompts in one request)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -16,7 +14,7 @@ import openai
 import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
-from tests.support.live_server import MODEL_NAME, live_server
+from tests.support.live_server import MODEL_NAME
 
 PROMPT = list(range(10, 50))  # 40 tokens: three prefill chunks, scored in three spans
 # enums only: the random model's arguments stay short under the grammar
@@ -42,10 +40,8 @@ LANGCHAIN = {"model": MODEL_NAME, "api_key": "unused", "temperature": 0.0, "max_
 
 
 @pytest.fixture(scope="module")
-def base_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    log = tmp_path_factory.mktemp("server_streaming") / "server.log"
-    with live_server(tiny_model_dir, log, "--max-batch-tokens", "16") as url:
-        yield url
+def base_url(tiny_server_small_batches: str) -> str:
+    return tiny_server_small_batches
 
 
 @pytest.fixture(scope="module")

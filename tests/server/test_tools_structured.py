@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Literal
 
 import httpx
@@ -17,7 +15,7 @@ import openai
 import pytest
 from pydantic import BaseModel, ConfigDict
 
-from tests.support.live_server import MODEL_NAME, live_server
+from tests.support.live_server import MODEL_NAME
 
 WEATHER = {
     "type": "function",
@@ -43,10 +41,8 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def base_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    log = tmp_path_factory.mktemp("tools_server") / "server.log"
-    with live_server(tiny_model_dir, log) as url:
-        yield url
+def base_url(tiny_server: str) -> str:
+    return tiny_server
 
 
 @pytest.fixture(scope="module")

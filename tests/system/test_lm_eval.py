@@ -6,14 +6,13 @@ loglikelihoods lm-eval reports equal transformers' on the same token ids (fp32).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from tests.support.live_server import MODEL_NAME, live_server
+from tests.support.live_server import MODEL_NAME
 
 QUESTIONS = [
     {"question": "The sky is", "choices": [" blue", " green", " made of cheese"], "answer": 0},
@@ -24,10 +23,8 @@ PROMPTS = [{"question": "Say hello", "answer": "hello"}, {"question": "Count to 
 
 
 @pytest.fixture(scope="module")
-def base_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    log = tmp_path_factory.mktemp("lm_eval_server") / "server.log"
-    with live_server(tiny_model_dir, log) as url:
-        yield url
+def base_url(tiny_server: str) -> str:
+    return tiny_server
 
 
 def _tasks(root: Path) -> Path:
@@ -77,12 +74,18 @@ def _transformers_loglikelihood(model: Any, context: list[int], continuation: li
     return sum(logprobs[len(context) + i - 1, token].item() for i, token in enumerate(continuation))
 
 
+def _task_manager(root: Path) -> Any:
+    """Only the tasks written here: indexing lm-eval's built-in tasks as well takes seconds."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=str(_tasks(root)), include_defaults=False)
+
+
 def test_local_completions_loglikelihoods_equal_transformers(
     base_url: str, tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from lm_eval import simple_evaluate
     from lm_eval.models.openai_completions import LocalCompletionsAPI
-    from lm_eval.tasks import TaskManager
     from transformers import AutoModelForCausalLM
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
@@ -94,9 +97,7 @@ def test_local_completions_loglikelihoods_equal_transformers(
         batch_size=4,  # several prompts in one request
         max_retries=1,
     )
-    out = simple_evaluate(
-        model=lm, tasks=["phalanx_mc"], task_manager=TaskManager(include_path=str(_tasks(tmp_path)))
-    )
+    out = simple_evaluate(model=lm, tasks=["phalanx_mc"], task_manager=_task_manager(tmp_path))
     samples = out["samples"]["phalanx_mc"]
     assert len(samples) == len(QUESTIONS)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
@@ -113,14 +114,13 @@ def test_local_chat_completions_generates(
 ) -> None:
     from lm_eval import simple_evaluate
     from lm_eval.models.openai_completions import LocalChatCompletion
-    from lm_eval.tasks import TaskManager
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     lm = LocalChatCompletion(base_url=base_url + "/v1/chat/completions", model=MODEL_NAME, max_retries=1)
     out = simple_evaluate(
         model=lm,
         tasks=["phalanx_gen"],
-        task_manager=TaskManager(include_path=str(_tasks(tmp_path))),
+        task_manager=_task_manager(tmp_path),
         apply_chat_template=True,
     )
     samples = out["samples"]["phalanx_gen"]

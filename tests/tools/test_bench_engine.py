@@ -1,33 +1,35 @@
 """``phalanx bench engine`` on the CPU: a random tiny checkpoint, both decode modes through real
-rank processes, one table, and the same greedy tokens from each mode."""
+rank processes, one table, and the same greedy tokens from each mode. Run in process: the ranks
+are spawned all the same, and a child would spend seconds importing what pytest holds already."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
+from dataclasses import dataclass
 
-ROOT = Path(__file__).resolve().parents[2]
+import pytest
 
-
-def _bench(*args: str) -> subprocess.CompletedProcess[str]:
-    command = [
-        sys.executable,
-        "-m",
-        "tools",
-        "bench",
-        "engine",
-        "--geometry",
-        "tiny",
-        "--device",
-        "cpu",
-        *args,
-    ]
-    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+from phalanx.tools.cli import main as phalanx
 
 
-def test_both_modes_time_the_same_tokens() -> None:
-    done = _bench("--batch", "1,2", "--prompt-len", "9", "--output-len", "12")
+@dataclass
+class Done:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def _bench(capsys: pytest.CaptureFixture[str], *args: str) -> Done:
+    """``phalanx bench engine --geometry tiny --device cpu ARGS``: its exit code and output."""
+    try:
+        code = phalanx(["bench", "engine", "--geometry", "tiny", "--device", "cpu", *args])
+    except SystemExit as refused:  # argparse's usage errors
+        code = refused.code
+    out = capsys.readouterr()
+    return Done(code, out.out, out.err)
+
+
+def test_both_modes_time_the_same_tokens(capsys: pytest.CaptureFixture[str]) -> None:
+    done = _bench(capsys, "--batch", "1,2", "--prompt-len", "9", "--output-len", "12")
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
     header = lines.index(
@@ -42,17 +44,17 @@ def test_both_modes_time_the_same_tokens() -> None:
     assert "every mode generated the same 12 tokens at batch 1" in lines
 
 
-def test_an_unknown_mode_is_refused() -> None:
-    done = _bench("--modes", "pipelined,overlapped")
+def test_an_unknown_mode_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    done = _bench(capsys, "--modes", "pipelined,overlapped")
     assert done.returncode == 2
     assert (
         "phalanx bench engine: unknown mode overlapped; choose from ['pipelined', 'blocking']" in done.stdout
     )
 
 
-def test_staggered_arrivals_time_each_requests_own_span() -> None:
+def test_staggered_arrivals_time_each_requests_own_span(capsys: pytest.CaptureFixture[str]) -> None:
     done = _bench(
-        "--batch", "3", "--prompt-len", "9", "--output-len", "12", "--arrival-ms", "5", "--modes", "pipelined"
+        capsys, "--batch", "3", "--prompt-len", "9", "--output-len", "12", "--arrival-ms", "5", "--modes", "pipelined"
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
@@ -65,7 +67,7 @@ def test_staggered_arrivals_time_each_requests_own_span() -> None:
     assert itl <= p99 <= longest and tpot == whole  # each request's own first-to-last span
 
 
-def test_a_negative_arrival_gap_is_refused() -> None:
-    done = _bench("--arrival-ms", "-1")
+def test_a_negative_arrival_gap_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    done = _bench(capsys, "--arrival-ms", "-1")
     assert done.returncode == 2
     assert "argument --arrival-ms: must be 0 ms or more, got -1" in done.stderr

@@ -10,23 +10,21 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from phalanx.tools.cli import main as phalanx
 from phalanx.tools.evalmc.extract import extract_answer
-from tests.support.live_server import MODEL_NAME, REPO, live_server
+from tests.support.live_server import MODEL_NAME, REPO
 
 SUBJECTS = {"geography": 16, "arithmetic": 12, "colours": 8}
 SAMPLE = 24
 
 
 @pytest.fixture(scope="module")
-def base_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with live_server(tiny_model_dir, tmp_path_factory.mktemp("server") / "server.log") as url:
-        yield url + "/v1"
+def base_url(tiny_server: str) -> str:
+    return tiny_server + "/v1"
 
 
 def _dataset(path: Path) -> Path:
