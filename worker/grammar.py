@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import llguidance
-import llguidance.torch
+import llguidance.numpy
 import numpy as np
 import torch
 
@@ -34,6 +34,13 @@ def _words(ids: list[int], width: int) -> np.ndarray:
     for token in ids:
         words[token // _WORD] |= np.uint32(1 << (token % _WORD))
     return words.view(np.int32)
+
+
+def _packed_rows(rows: int, vocab_size: int) -> torch.Tensor:
+    """Every id allowed (int32 [rows, words]); pinned on a CUDA host, so its copy runs async.
+    Not ``llguidance.torch``'s: importing that module compiles a kernel we never call (seconds)."""
+    shape = (rows, -(-vocab_size // _WORD))
+    return torch.full(shape, -1, dtype=torch.int32, pin_memory=torch.cuda.is_available())
 
 
 def unpack_words(packed: torch.Tensor, bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -60,7 +67,7 @@ class GrammarTable:
         # the ids past the vocabulary in the last word: llguidance's mask may set them
         tail = vocab_size % _WORD
         self._last_word = np.uint32((1 << tail) - 1 if tail else 0xFFFFFFFF).view(np.int32)
-        self._packed = llguidance.torch.allocate_token_bitmask(0, vocab_size)  # grows to the rows
+        self._packed = _packed_rows(0, vocab_size)  # grows to the rows
         self._copied: torch.cuda.Event | None = None  # the packed buffer's last copy to the device
         self._word_bits: dict[torch.device, torch.Tensor] = {}  # made once: a pageable copy waits
         self._deferred: list[tuple[list[int], DrawnTokens]] = []  # picks not yet fed to matchers
@@ -110,7 +117,7 @@ class GrammarTable:
         if self._copied is not None:  # the buffer's last copy must land before it is rewritten
             self._copied.synchronize()
         if self._packed.shape[0] < rows:
-            self._packed = llguidance.torch.allocate_token_bitmask(rows, self._vocab_size)
+            self._packed = _packed_rows(rows, self._vocab_size)
         packed = self._packed[:rows]
         words = packed.numpy()  # the same memory
         words.fill(-1)
@@ -124,7 +131,7 @@ class GrammarTable:
             else:
                 matching.append((matcher, row))
         if matching:
-            llguidance.torch.fill_next_token_bitmask_par(self._executor, matching, packed)
+            llguidance.numpy.fill_next_token_bitmask_par(self._executor, matching, words)
             words[:, -1] &= self._last_word
             live = words.any(axis=1)
             ended += [row for _, row in matching if not live[row]]  # a dead end
