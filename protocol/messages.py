@@ -210,7 +210,8 @@ class Decode(msgspec.Struct, frozen=True, tag="decode", tag_field="op"):
 
 
 class Unified(msgspec.Struct, frozen=True, tag="unified", tag_field="op"):
-    """Prefill chunks and decode rows in one step; workers run the prefill part first."""
+    """Prefill chunks and decode rows of disjoint requests in one step; workers launch the decode
+    part first, so its graph replay runs on the GPU while they launch the prefill's kernels."""
 
     prefill: list[PrefillChunk]
     decode: list[DecodeRow]
