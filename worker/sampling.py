@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import random
 import struct
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -50,6 +50,17 @@ def _row_uniform(params: SamplingParams, position: int) -> float:
     if params.seed is None:
         return _UNSEEDED.random()
     return seeded_uniform(params.seed, position)
+
+
+def _upload(values: list[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``values`` as a tensor on ``device``, without waiting for the GPU: ``torch.tensor(values,
+    device=cuda)`` copies from pageable memory, which synchronizes the stream, so a step with a
+    sampled row would wait for its own forward before the next step could be launched. Staged in
+    pinned memory instead (torch's host allocator keeps the block until the copy has run)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _validate(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> None:
@@ -87,12 +98,12 @@ def _steered(
         if steered is None:
             steered = logits.to(torch.float32, copy=True)
         if p.logit_bias:
-            ids = torch.tensor(list(p.logit_bias), device=logits.device)
-            bias = torch.tensor(list(p.logit_bias.values()), dtype=torch.float32, device=logits.device)
+            ids = _upload(list(p.logit_bias), torch.int64, logits.device)
+            bias = _upload(list(p.logit_bias.values()), torch.float32, logits.device)
             steered[row].index_add_(0, ids, bias)
         if banned:
             unbanned = steered[row].clone() if allowed is not None else None
-            steered[row, torch.tensor(banned, device=logits.device)] = float("-inf")
+            steered[row, _upload(list(banned), torch.int64, logits.device)] = float("-inf")
             if unbanned is not None and not bool(torch.isfinite(steered[row]).any()):
                 steered[row] = unbanned  # the grammar allows only banned ids: it wins over the ban
     return steered
@@ -106,15 +117,16 @@ def _greedy(logits: torch.Tensor) -> torch.Tensor:
 def _draw(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> torch.Tensor:
     """Sample the rows of ``logits`` (all with temperature > 0); returns token ids [rows]."""
     device = logits.device
-    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float64, device=device)
-    top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device)
-    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64, device=device)
-    min_p = torch.tensor([p.min_p for p in params], dtype=torch.float64, device=device)
-    uniform = torch.tensor(
+    # One upload for every row's parameters (top_k is exact in float64).
+    columns = [
+        [p.temperature for p in params],
+        [p.top_k for p in params],
+        [p.top_p for p in params],
+        [p.min_p for p in params],
         [_row_uniform(p, pos) for p, pos in zip(params, positions, strict=True)],
-        dtype=torch.float64,
-        device=device,
-    )
+    ]
+    temperature, top_k, top_p, min_p, uniform = _upload(columns, torch.float64, device)
+    top_k = top_k.to(torch.int64)
 
     scaled = logits.to(torch.float64) / temperature[:, None]
     # Stable descending sort keeps equal probabilities in ascending id order.
@@ -247,7 +259,7 @@ def draw_tokens(
     tokens = _greedy(picked_from) if greedy is None else greedy
     drawn = [i for i, p in enumerate(params) if p.temperature >= GREEDY_BELOW]
     if drawn:
-        index = torch.tensor(drawn, device=logits.device)
+        index = _upload(drawn, torch.int64, logits.device)
         tokens = tokens.clone()
         tokens[index] = _draw(
             picked_from.index_select(0, index), [params[i] for i in drawn], [positions[i] for i in drawn]
