@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from phalanx.kernels.upload import to_device
+
 GDN_CHUNK = 64
 """Tokens per chunk of fla-core's chunked delta rule (its default, and the only size we run)."""
 
@@ -84,21 +86,24 @@ class Varlen:
         token_ends = cu[capture_chunk] + capture_offset
         gdn_chunks = gdn_offsets[capture_chunk] + capture_offset // GDN_CHUNK
         # One upload for everything, then views and dtype casts on the device.
-        packed = torch.from_numpy(
-            np.concatenate(
-                [
-                    cu,
-                    start,
-                    chunk_of_token,
-                    positions,
-                    gdn_sequence,
-                    gdn_index,
-                    token_ends,
-                    gdn_chunks,
-                    capture_slot,
-                ]
-            )
-        ).to(device)
+        packed = to_device(
+            torch.from_numpy(
+                np.concatenate(
+                    [
+                        cu,
+                        start,
+                        chunk_of_token,
+                        positions,
+                        gdn_sequence,
+                        gdn_index,
+                        token_ends,
+                        gdn_chunks,
+                        capture_slot,
+                    ]
+                )
+            ),
+            device,
+        )
         n, tokens, nt, m = len(length), int(cu[-1]), len(gdn_sequence), len(capture)
         cu_long, starts_dev, chunk_dev, positions_dev, sequence_dev, index_dev, *captured = packed.split(
             [n + 1, n, tokens, tokens, nt, nt, m, m, m]

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from phalanx.kernels.host_staging_triton import feed_tokens
+from phalanx.kernels.upload import to_device
 from phalanx.models.qwen35 import DecodeBatch
 from phalanx.protocol.codec import unpack_list
 from phalanx.protocol.messages import (
@@ -245,8 +246,8 @@ class StepRunner:
             if plans[i].chunk.feed_slot != NO_FEED
         ]
         if feeding:  # the first decode rows may follow unread (FED_TOKEN): keep their tokens here
-            picked = torch.tensor([row for row, _ in feeding], device=drawn.tokens.device)
-            slots = torch.tensor([slot for _, slot in feeding], device=self.fed_tokens.device)
+            picked = to_device(torch.tensor([row for row, _ in feeding]), drawn.tokens.device)
+            slots = to_device(torch.tensor([slot for _, slot in feeding]), self.fed_tokens.device)
             self.fed_tokens.index_copy_(0, slots, drawn.tokens.index_select(0, picked))
         return PendingPrefill(final_ids, drawn, prompt_logprobs, rejections(plans))
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from phalanx.kernels.upload import to_device
 from phalanx.models.qwen35.parallel import TokenScores
 from phalanx.protocol.messages import NO_TOKEN, PrefillChunk, PromptLogprobs
 from phalanx.worker.errors import WorkerStateError
@@ -78,7 +79,7 @@ class PromptScoring:
         return out
 
     def tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.tensor(self.rows, device=device), torch.tensor(self.targets, device=device)
+        return to_device(torch.tensor(self.rows), device), to_device(torch.tensor(self.targets), device)
 
 
 def _check(chunk: PrefillChunk, top_n: int) -> None:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
+from phalanx.kernels.upload import to_device
 from phalanx.protocol.messages import GREEDY_BELOW, SamplingParams
 
 if TYPE_CHECKING:
@@ -53,14 +54,9 @@ def _row_uniform(params: SamplingParams, position: int) -> float:
 
 
 def _upload(values: list[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``values`` as a tensor on ``device``, without waiting for the GPU: ``torch.tensor(values,
-    device=cuda)`` copies from pageable memory, which synchronizes the stream, so a step with a
-    sampled row would wait for its own forward before the next step could be launched. Staged in
-    pinned memory instead (torch's host allocator keeps the block until the copy has run)."""
-    host = torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
+    """``values`` on ``device`` without a stream sync (``kernels/upload.py``): a step with a
+    sampled row must not wait for its own forward before the next step is launched."""
+    return to_device(torch.tensor(values, dtype=dtype), device)
 
 
 def _validate(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from phalanx.kernels.upload import to_device
 from phalanx.kernels.varlen import Varlen
 
 
@@ -64,9 +65,13 @@ class PrefillBatch:
         varlen = Varlen.build(lengths, starts, device, captures)
         width = max(len(pages) for _, _, _, pages in chunks)
         return cls(
-            tokens=torch.from_numpy(token_ids).to(device),
-            state_slots=torch.tensor([slot for _, _, slot, _ in chunks], dtype=torch.int64).to(device),
-            page_tables=torch.from_numpy(_host_page_table([pages for *_, pages in chunks], width)).to(device),
+            tokens=to_device(torch.from_numpy(token_ids), device),
+            state_slots=to_device(
+                torch.tensor([slot for _, _, slot, _ in chunks], dtype=torch.int64), device
+            ),
+            page_tables=to_device(
+                torch.from_numpy(_host_page_table([pages for *_, pages in chunks], width)), device
+            ),
             varlen=varlen,
             token_range=token_range,
         )
@@ -100,12 +105,12 @@ class DecodeBatch:
         width = max_pages if max_pages is not None else max(len(pages) for *_, pages in rows)
         host_rows = np.array([[row[i] for row in rows] for i in range(3)], dtype=np.int64)
         table = _host_page_table([row[3] for row in rows], width)
-        tokens, positions, slots = (torch.from_numpy(r).to(device) for r in host_rows)
+        tokens, positions, slots = (to_device(torch.from_numpy(r), device) for r in host_rows)
         return cls(
             tokens=tokens,
             positions=positions,
             state_slots=slots,
-            page_table=torch.from_numpy(table).to(device),
+            page_table=to_device(torch.from_numpy(table), device),
             # Only while the tensors view them: a device batch's tensors are copies.
             _host=(host_rows, table) if device.type == "cpu" else None,
         )
