@@ -245,7 +245,7 @@ def paged_prefill_attention(
 ) -> torch.Tensor:
     """``varlen`` (the same bounds, worked out on the host) spares the CUDA path a host sync."""
     if q.is_cuda:
-        return _triton("attention", "paged_prefill_attention")(
+        return _triton("attention_prefill", "paged_prefill_attention")(
             q, k_cache, v_cache, page_tables, cu_seqlens, starts, scale, varlen
         )
     return paged_prefill_attention_ref(q, k_cache, v_cache, page_tables, cu_seqlens, starts, scale)

@@ -206,7 +206,7 @@ def test_decode_attention_reads_the_newest_token_after_the_kv_write_under_pdl() 
 
 def test_paged_prefill_attention() -> None:
     from phalanx.kernels.attention import paged_prefill_attention_ref
-    from phalanx.kernels.attention_triton import paged_prefill_attention_triton
+    from phalanx.kernels.attention_prefill_triton import paged_prefill_attention_triton
 
     k_cache, v_cache = rand(64, PAGE, KV_HEADS, HEAD_DIM), rand(64, PAGE, KV_HEADS, HEAD_DIM)
     tables = torch.randperm(64, device=DEV)[:60].view(3, 20).to(torch.int32)

@@ -159,7 +159,7 @@ def check_decode_attention_batch_vs_bucket() -> dict[str, float]:
 
 def check_paged_prefill_attention() -> dict[str, float]:
     from phalanx.kernels.attention import paged_prefill_attention_ref
-    from phalanx.kernels.attention_triton import paged_prefill_attention_triton
+    from phalanx.kernels.attention_prefill_triton import paged_prefill_attention_triton
 
     k_cache, v_cache = _paged_kv(40, 4, 2, 32)
     page_tables = torch.randperm(40)[:36].view(2, 18).to(torch.int32)
