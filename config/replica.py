@@ -89,12 +89,17 @@ class CacheConfig:
 @dataclass(frozen=True)
 class SchedulingConfig:
     max_slots: int = 16  # requests decoding at once; 0 on cuda: up to the largest graph bucket that fits
-    max_batch_tokens: int = 2048  # prompt tokens of one prefill step
+    # prompt tokens of one prefill step; 0: as the rank picks (phalanx.worker.capacity.batch_tokens_for)
+    max_batch_tokens: int = 0
     pipeline: bool = True  # send each decode step before reading the last one's result
     prefix_snapshot_interval: int = 1024  # prompt tokens between prefix-cache state snapshots (whole pages)
 
     def __post_init__(self) -> None:
-        _check_positive(self, "max_batch_tokens", "prefix_snapshot_interval")
+        _check_positive(self, "prefix_snapshot_interval")
+        if self.max_batch_tokens < 0:
+            raise ValueError(
+                f"max_batch_tokens must be positive (0: as the GPU suits), got {self.max_batch_tokens}"
+            )
         if self.max_slots < 0:
             raise ValueError(_AS_MANY_AS_FIT.format(name="max_slots", value=self.max_slots))
 

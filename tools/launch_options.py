@@ -65,9 +65,12 @@ def add_batch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--page-size", type=int, default=CacheConfig.page_size, help="tokens per KV page")
     parser.add_argument(
         "--max-batch-tokens",
-        type=int,
+        "--max-num-batched-tokens",
+        dest="max_batch_tokens",
+        type=positive_int,
         default=SchedulingConfig.max_batch_tokens,
-        help="tokens of one prefill step",
+        help="prompt tokens of one prefill step (default: 8192 on a GPU of 70 GiB or more but an A100, "
+        "else 2048, as vLLM's server picks)",
     )
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgspec
 import torch
 
 from phalanx.protocol.buckets import MAX_GRAPH_BATCH, buckets_up_to
@@ -35,6 +36,13 @@ GIB = 1 << 30
 SNAPSHOT_SHARE = 0.1
 # Auto-sized prefix snapshots on CPU, per decode slot.
 CPU_SNAPSHOTS_PER_SLOT = 2
+# Prompt tokens of one prefill step when none is configured, as vLLM's server picks them: 8192 on
+# a GPU of at least 70 GiB but an A100 (where vLLM measured it slower), 2048 elsewhere. On a large
+# GPU a longer step keeps the prefill bound by its kernels, not by their launches
+# (docs/benchmarks/serve-h200.md).
+LARGE_GPU_BYTES = 70 * GIB
+LARGE_GPU_BATCH_TOKENS = 8192
+DEFAULT_BATCH_TOKENS = 2048
 
 
 class CapacityError(RuntimeError):
@@ -58,6 +66,18 @@ class MemoryPlan:
     @property
     def for_caches(self) -> int:
         return self.allowed - self.in_use - self.activations - self.graphs - self.slack
+
+
+def batch_tokens_for(limits: WorkerLimits, device: torch.device) -> WorkerLimits:
+    """``limits`` with ``max_batch_tokens`` as configured, or picked for ``device`` when 0."""
+    if limits.max_batch_tokens:
+        return limits
+    tokens = DEFAULT_BATCH_TOKENS
+    if device.type == "cuda":
+        large = torch.cuda.get_device_properties(device).total_memory >= LARGE_GPU_BYTES
+        if large and "A100" not in torch.cuda.get_device_name(device):
+            tokens = LARGE_GPU_BATCH_TOKENS
+    return msgspec.structs.replace(limits, max_batch_tokens=tokens)
 
 
 def size_capacity(

@@ -38,7 +38,7 @@ from phalanx.protocol.messages import (
 )
 from phalanx.protocol.transport import HANDSHAKE_FAILED, RankSocket, connection_identity, heartbeat_identity
 from phalanx.worker.buckets import state_slot_layout
-from phalanx.worker.capacity import GIB, CapacityError, memory_line, size_capacity
+from phalanx.worker.capacity import GIB, CapacityError, batch_tokens_for, memory_line, size_capacity
 from phalanx.worker.commands import StepRunner
 from phalanx.worker.cores import ranks_on_this_host
 from phalanx.worker.faults import fault_point, wrap_socket
@@ -186,14 +186,13 @@ def _startup(sock: RankSocket, config: WorkerConfig) -> tuple[StepRunner, int] |
                 f"({total / GIB:.1f} GiB, {free / GIB:.1f} GiB free); use more GPUs (--tp)"
             ) from exc
         phase = "startup:capacity"
+        limits = batch_tokens_for(config.limits, device)
         activations = None
         if device.type == "cuda":
-            requested = config.limits.max_slots or MAX_GRAPH_BATCH
+            requested = limits.max_slots or MAX_GRAPH_BATCH
             rows = bucket_for(min(requested, MAX_GRAPH_BATCH)) if config.cuda_graph else requested
-            activations = measure_activations(model, device, config.limits.max_batch_tokens, rows)
-        local, memory = size_capacity(
-            config.limits, model, device, config.rank, config.cuda_graph, activations
-        )
+            activations = measure_activations(model, device, limits.max_batch_tokens, rows)
+        local, memory = size_capacity(limits, model, device, config.rank, config.cuda_graph, activations)
     except Exception as exc:
         raise StartupFailure(phase, exc, epoch) from exc
     ready = Ready(local, str(device), os.getpid(), socket.gethostname(), challenge.nonce)

@@ -102,6 +102,11 @@ class VocabParallelEmbedding:
         return embedded if self.tp.world_size == 1 else self.tp.all_reduce(embedded)
 
 
+# Prompt rows scored at once: with a 248k vocabulary their fp32 logits and exponentials take
+# ~1 GiB, where a long step's prompt scored whole would take 16 GiB the rank never sized for.
+SCORE_ROWS = 512
+
+
 class TokenScores(NamedTuple):
     """Log-probabilities of given tokens [T], their ranks [T] (1 + how many ids score higher) and
     the top N of each row ([T, N] values and ids, ties by ascending id; None when N is 0)."""
@@ -127,7 +132,19 @@ class VocabParallelHead:
     def score(self, hidden: torch.Tensor, targets: torch.Tensor, top_n: int) -> TokenScores:
         """Each row's log-probability of its target token, its rank and its top ``top_n``, computed
         on the vocab shards: only the log-normaliser's parts, the targets' logits and ranks and each
-        shard's top N cross between ranks, never a full row of the vocabulary."""
+        shard's top N cross between ranks, never a full row of the vocabulary. ``SCORE_ROWS`` rows
+        at a time, so a long prompt's scoring stays within the memory a step was sized for."""
+        if len(hidden) <= SCORE_ROWS:
+            return self._score_rows(hidden, targets, top_n)
+        parts = [
+            self._score_rows(hidden[at : at + SCORE_ROWS], targets[at : at + SCORE_ROWS], top_n)
+            for at in range(0, len(hidden), SCORE_ROWS)
+        ]
+        return TokenScores(
+            *(None if field[0] is None else torch.cat(field) for field in zip(*parts, strict=True))
+        )
+
+    def _score_rows(self, hidden: torch.Tensor, targets: torch.Tensor, top_n: int) -> TokenScores:
         local = self.linear(hidden).float()
         shard = local.shape[1]
         first = self.tp.rank * shard

@@ -71,6 +71,8 @@ def test_the_default_sized_pool_serves_the_model_greedy_tokens(
         events = list(engine.submit(prompt, GenerationParams(max_tokens=24, ignore_eos=True)))
     assert (capacity.kv_pages + 1) * elements_per_page > 1 << 31, capacity
     assert capacity.max_slots == 256, capacity
+    big_gpu = torch.cuda.get_device_properties(DEV).total_memory >= 70 << 30
+    assert capacity.max_batch_tokens == (8192 if big_gpu else 2048), capacity
     assert [e.token_id for e in events if isinstance(e, TokenEvent)] == expected
 
 

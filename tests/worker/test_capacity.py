@@ -17,6 +17,7 @@ from phalanx.worker.capacity import (
     GIB,
     SNAPSHOT_SHARE,
     CapacityError,
+    batch_tokens_for,
     memory_line,
     size_capacity,
 )
@@ -162,3 +163,29 @@ def test_a_tp_rank_profiles_its_steps_before_the_process_group_exists(tiny_model
     assert prefill.shape == (1, vocab) and decode.shape == (3, vocab)
     with pytest.raises(RuntimeError, match="rank 1: decode before allocate_cache"):
         model.decode(DecodeBatch.build([(0, 0, 0, [0])]))
+
+
+@pytest.mark.parametrize(
+    ("name", "total_gib", "configured", "expected"),
+    [
+        ("NVIDIA H200", 140, 0, 8192),
+        ("NVIDIA A100-SXM4-80GB", 80, 0, 2048),
+        ("NVIDIA L40S", 45, 0, 2048),
+        ("NVIDIA H200", 140, 4096, 4096),
+    ],
+)
+def test_max_batch_tokens_follow_the_gpu_unless_configured(
+    monkeypatch: pytest.MonkeyPatch, name: str, total_gib: int, configured: int, expected: int
+) -> None:
+    properties = type("Properties", (), {"total_memory": total_gib * GIB})()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: properties)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: name)
+    limits = batch_tokens_for(_limits(max_batch_tokens=configured), CUDA)
+    assert limits.max_batch_tokens == expected
+    assert limits.max_slots == 0 and limits.gpu_memory_utilization == 0.9  # the rest kept
+
+
+def test_max_batch_tokens_on_cpu_are_2048_unless_configured() -> None:
+    cpu = torch.device("cpu")
+    assert batch_tokens_for(_limits(max_batch_tokens=0), cpu).max_batch_tokens == 2048
+    assert batch_tokens_for(_limits(max_batch_tokens=96), cpu).max_batch_tokens == 96

@@ -190,7 +190,11 @@ def test_a_prefill_feeds_only_a_free_slot_from_a_last_chunk(model: Qwen35Model) 
         runner.unified([PrefillChunk(3, pack_ids([9]), 0, pack_ids([4]), True, feed_slot=1)], [])
 
 
-def test_prompt_logprobs_of_a_chunked_prompt_match_the_full_logits(model: Qwen35Model) -> None:
+@pytest.mark.parametrize("score_rows", [512, 2], ids=["rows-at-once", "rows-two-at-a-time"])
+def test_prompt_logprobs_of_a_chunked_prompt_match_the_full_logits(
+    model: Qwen35Model, score_rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("phalanx.models.qwen35.parallel.SCORE_ROWS", score_rows)
     prompt = [4, 5, 6, 7, 8, 9, 10]
     model.allocate_cache(KV_PAGES + 1, PAGE, 2 * MAX_SLOTS)
     full = model.prefill(PrefillBatch.build([(prompt, 0, MAX_SLOTS, [0, 1])]), all_logits=True)
