@@ -202,29 +202,40 @@ def _conv_prefill_state_kernel(
     slots_ptr,
     cu_ptr,
     init_ptr,
+    capture_ends_ptr,
+    capture_slots_ptr,
+    n_chunks,
     C,
     stride_x,
     stride_slot,
     K: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
-    """Writes each chunk's last K-1 raw inputs; for chunks shorter than K-1 the older columns come
-    from the previous state (or zeros without one)."""
+    """Program i < n_chunks writes chunk i's last K-1 raw inputs; for chunks shorter than K-1 the
+    older columns come from the previous state (or zeros without one). Program n_chunks + j takes
+    state capture j: the K-1 inputs before batch token ``capture_ends[j]``, into its slot."""
     i = tl.program_id(0)
     ch = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_mask = ch < C
-    bos = tl.load(cu_ptr + i)
-    length = tl.load(cu_ptr + i + 1) - bos
-    slot = tl.load(slots_ptr + i)
+    if i < n_chunks:
+        end = tl.load(cu_ptr + i + 1).to(tl.int32)
+        length = end - tl.load(cu_ptr + i).to(tl.int32)
+        slot = tl.load(slots_ptr + i).to(tl.int64)
+        init = tl.load(init_ptr + i).to(tl.int32)
+    else:
+        end = tl.load(capture_ends_ptr + i - n_chunks).to(tl.int32)
+        length = end * 0 + (K - 1)  # a capture lies 64 or more tokens into its chunk
+        slot = tl.load(capture_slots_ptr + i - n_chunks).to(tl.int64)
+        init = end * 0
     # Scalars broadcast to the channel vector: masks must be vectors for the interpreter.
     zero = tl.zeros((BLOCK_C,), dtype=tl.int32)
-    has_init = (zero + tl.load(init_ptr + i)) != 0
+    has_init = (zero + init) != 0
     row = state_ptr + slot * stride_slot + ch * (K - 1)
     # New column j reads old column j + length > j, so ascending order never reads a column it
     # already overwrote; the barrier keeps threads that share a channel in step.
     for j in tl.static_range(K - 1):
         local = zero + (length - (K - 1) + j)
-        xv = tl.load(x_ptr + (bos + local) * stride_x + ch, mask=c_mask & (local >= 0), other=0.0)
+        xv = tl.load(x_ptr + (end - (K - 1) + j) * stride_x + ch, mask=c_mask & (local >= 0), other=0.0)
         sv = tl.load(row + (K - 1) + local, mask=c_mask & (local < 0) & has_init, other=0.0)
         tl.debug_barrier()
         tl.store(row + j, xv.to(state_ptr.dtype.element_ty) + sv, mask=c_mask)
@@ -244,6 +255,8 @@ def causal_conv1d_prefill_triton(
     has_initial_state: torch.Tensor,
     varlen: Varlen | None = None,
 ) -> torch.Tensor:
+    """``causal_conv1d_prefill_ref``, and ``varlen``'s state captures taken in the same launch as
+    the chunks' final states (``capture_conv_states``)."""
     tokens, channels = x.shape
     kernel = weight.shape[1]
     _check_state(conv_state, channels, kernel)
@@ -252,7 +265,7 @@ def causal_conv1d_prefill_triton(
     weight = weight.contiguous()
     device = x.device
     cu = cu_seqlens.to(device=device, dtype=torch.int32)
-    init = has_initial_state.to(device=device, dtype=torch.int32)
+    init = has_initial_state.to(device=device)  # bool or integer: the kernels test it against 0
     slots = state_slots.to(device=device)
     n_chunks = cu.shape[0] - 1
     y = torch.empty((tokens, channels), dtype=x.dtype, device=device)
@@ -287,13 +300,17 @@ def causal_conv1d_prefill_triton(
         block_c,
         num_warps=4,
     )
+    captures = varlen.captures if varlen is not None else None
     _conv_prefill_state_launch(
-        (n_chunks, cdiv(channels, 1024)),
+        (n_chunks + (len(captures.chunks) if captures else 0), cdiv(channels, 1024)),
         x,
         conv_state,
         slots,
         cu,
         init,
+        captures.token_ends if captures else cu,
+        captures.slots if captures else slots,
+        n_chunks,
         channels,
         x.stride(0),
         conv_state.stride(0),

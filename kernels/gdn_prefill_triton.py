@@ -231,8 +231,10 @@ def gdn_prefill_triton(
     slots = state_slots.to(mixed.device)
     initial = None  # every chunk starts a prompt: fla-core starts from zeros without a gather
     if varlen.continues:
-        keep = has_initial_state.to(device=mixed.device, dtype=torch.bool)
-        initial = state.index_select(0, slots) * keep[:, None, None, None]
+        initial = state.index_select(0, slots)
+        if not varlen.continues_all:  # the fresh chunks' slots may hold an old request's state
+            keep = has_initial_state.to(device=mixed.device, dtype=torch.bool)
+            initial *= keep[:, None, None, None]
     # fp32 operands: with bf16 ones fla's WY intermediates are bf16 and the final state drifts
     # ~2e-3 from the fp32 recurrence; in fp32 (tf32 products) it stays within 1e-3.
     o, final, chunk_states = _fla_chunk_forward(

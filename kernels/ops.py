@@ -269,12 +269,12 @@ def causal_conv1d_prefill(
     varlen: Varlen | None = None,
 ) -> torch.Tensor:
     """``varlen``'s state captures (if any) are taken from ``x`` too."""
-    if varlen is not None and varlen.captures is not None:
-        capture_conv_states(x, conv_state, varlen.captures)
     if x.is_cuda:
         return _triton("conv1d", "causal_conv1d_prefill")(
             x, weight, conv_state, state_slots, cu_seqlens, has_initial_state, varlen
         )
+    if varlen is not None and varlen.captures is not None:
+        capture_conv_states(x, conv_state, varlen.captures)
     return causal_conv1d_prefill_ref(x, weight, conv_state, state_slots, cu_seqlens, has_initial_state)
 
 

@@ -51,6 +51,7 @@ class Varlen:
     longest: int  # tokens of the longest chunk
     ends: tuple[int, ...]  # each chunk's start + length, on the host
     continues: bool  # some chunk continues a cached prefix (has an initial state), on the host
+    continues_all: bool  # every chunk does, on the host
     captures: StateCaptures | None = None
 
     @classmethod
@@ -119,6 +120,7 @@ class Varlen:
             longest=int(length.max()),
             ends=tuple((start + length).tolist()),
             continues=bool(start.any()),
+            continues_all=bool(start.all()),
             captures=StateCaptures(tuple(capture_chunk.tolist()), tuple(capture_offset.tolist()), *captured)
             if m
             else None,

@@ -20,7 +20,17 @@ HK, HV, DK, DV = 16, 32, 128, 128
 CONV_DIM = 2 * HK * DK + HV * DV
 
 
-def test_gdn_prefill_fused_inputs_and_fla_core() -> None:
+@pytest.mark.parametrize(
+    ("lens", "starts", "captures"),
+    [
+        ([300, 1, 64, 100], [0, 7, 64, 0], [(0, 64, 1), (0, 256, 3), (3, 64, 4)]),
+        ([128], [4096], [(0, 64, 1)]),  # a prefix hit: every chunk continues its slot's state
+    ],
+    ids=["mixed", "all-continue"],
+)
+def test_gdn_prefill_fused_inputs_and_fla_core(
+    lens: list[int], starts: list[int], captures: list[tuple[int, int, int]]
+) -> None:
     """The model's GDN prefill (fused inputs kernel, fla-core's forward from host chunk bounds,
     captures on the way) against the reference chain, chunks continuing and starting fresh."""
     from phalanx.kernels.gdn import gdn_prefill_ref
@@ -30,7 +40,6 @@ def test_gdn_prefill_fused_inputs_and_fla_core() -> None:
     if not fla_core_available():
         pytest.skip("fla-core is not installed")
     torch.manual_seed(0)
-    lens, starts = [300, 1, 64, 100], [0, 7, 64, 0]
     tokens = sum(lens)
     mixed = rand(tokens, CONV_DIM + 2 * HV + HV * DV)[:, :CONV_DIM]  # a slice, as the layer's is
     gates = rand(tokens, 2 * HV)
@@ -38,13 +47,13 @@ def test_gdn_prefill_fused_inputs_and_fla_core() -> None:
     a_log, dt = torch.rand(HV, device=DEV).log(), rand(HV)
     state = torch.randn(8, HV, DK, DV, device=DEV) * 0.1
     state_ref = state.clone()
-    slots = torch.tensor([5, 0, 7, 2], device=DEV)
-    varlen = Varlen.build(lens, starts, DEV, [(0, 64, 1), (0, 256, 3), (3, 64, 4)])
+    slots = torch.tensor([5, 0, 7, 2][: len(lens)], device=DEV)
+    varlen = Varlen.build(lens, starts, DEV, captures)
     args = (mixed, a, b, a_log, dt, HK)
     bounds = (slots, varlen.cu_seqlens, varlen.has_initial_state)
     o = gdn_prefill_triton(*args, state, *bounds, varlen)
     o_ref = gdn_prefill_ref(*args, state_ref, *bounds, varlen.captures)
     assert rel(o, o_ref) <= OUT_TOL
     assert rel(state, state_ref) <= STATE_TOL
-    for slot in (1, 3, 4):  # the captured states, one by one
+    for _, _, slot in captures:  # the captured states, one by one
         assert rel(state[slot], state_ref[slot]) <= STATE_TOL

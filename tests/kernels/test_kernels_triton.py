@@ -203,6 +203,25 @@ def check_conv1d_prefill() -> dict[str, float]:
     return {"y": _rel(y, y_ref), "state": _rel(state, state_ref)}
 
 
+def check_conv1d_prefill_captures() -> dict[str, float]:
+    """Mid-chunk state captures (prefix-cache snapshots) written by the final-state launch."""
+    from phalanx.kernels.conv1d import capture_conv_states, causal_conv1d_prefill_ref
+    from phalanx.kernels.conv1d_triton import causal_conv1d_prefill_triton
+    from phalanx.kernels.varlen import Varlen
+
+    lengths, starts = [5, 2, 140], [0, 4, 0]
+    varlen = Varlen.build(lengths, starts, torch.device("cpu"), captures=[(2, 64, 5), (2, 128, 6)])
+    x, w = _rand(sum(lengths), 24), _rand(24, 4, scale=0.5)
+    state = _rand(7, 24, 3)
+    state_ref = state.clone()
+    slots = torch.tensor([3, 1, 0])
+    args = (slots, varlen.cu_seqlens, varlen.has_initial_state)
+    y = causal_conv1d_prefill_triton(x, w, state, *args, varlen)
+    capture_conv_states(x, state_ref, varlen.captures)
+    y_ref = causal_conv1d_prefill_ref(x, w, state_ref, *args)
+    return {"y": _rel(y, y_ref), "state": _rel(state, state_ref)}
+
+
 def check_gdn_gating() -> dict[str, float]:
     from phalanx.kernels.gdn import gdn_gating_ref
     from phalanx.kernels.gdn_triton import gdn_gating_triton
