@@ -99,7 +99,9 @@ def _steered(
             steered[row].index_add_(0, ids, bias)
         if banned:
             unbanned = steered[row].clone() if allowed is not None else None
-            steered[row, _upload(list(banned), torch.int64, logits.device)] = float("-inf")
+            # index_fill_ takes the value as a kernel argument; an indexed assignment copies it
+            # to the GPU from pageable memory, a stream sync
+            steered[row].index_fill_(0, _upload(list(banned), torch.int64, logits.device), float("-inf"))
             if unbanned is not None and not bool(torch.isfinite(steered[row]).any()):
                 steered[row] = unbanned  # the grammar allows only banned ids: it wins over the ban
     return steered
