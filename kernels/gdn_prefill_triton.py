@@ -42,7 +42,23 @@ def fla_core_available() -> bool:
         import fla.ops.gated_delta_rule  # noqa: F401
     except ImportError:
         return False
+    _skip_disabled_config_cache()
     return True
+
+
+def _skip_disabled_config_cache() -> None:
+    """With fla-core's config cache off (``FLA_CACHE_MODE`` unset: its default), its autotuner's
+    ``run`` still builds and hashes a cache key on every launch, then runs Triton's; a prefill makes
+    ~100 such launches, so they go straight to Triton's autotuner, which is what runs anyway."""
+    from triton.runtime.autotuner import Autotuner
+
+    try:
+        from fla.ops.utils import cache
+    except ImportError:  # an fla-core without the config cache
+        return
+    mode = getattr(cache, "FLA_CACHE_MODE", None)
+    if getattr(mode, "value", None) == "disabled" and hasattr(cache, "CachedAutotuner"):
+        cache.CachedAutotuner.run = Autotuner.run
 
 
 @triton.jit

@@ -39,6 +39,11 @@ def test_gdn_prefill_fused_inputs_and_fla_core(
 
     if not fla_core_available():
         pytest.skip("fla-core is not installed")
+    from fla.ops.utils import cache
+    from triton.runtime.autotuner import Autotuner
+
+    # its config cache off (the default), fla-core's launches skip that cache's per-launch key
+    assert cache.FLA_CACHE_MODE.value != "disabled" or cache.CachedAutotuner.run is Autotuner.run
     torch.manual_seed(0)
     tokens = sum(lens)
     mixed = rand(tokens, CONV_DIM + 2 * HV + HV * DV)[:, :CONV_DIM]  # a slice, as the layer's is
