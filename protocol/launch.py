@@ -19,6 +19,8 @@ class WorkerLimits(msgspec.Struct, frozen=True):
 
     On CUDA ``kv_pages`` 0 means "as many as fit" and ``max_slots`` 0 "as many as the largest
     graph bucket, if their states fit in half of the cache memory" (``phalanx.worker.capacity``).
+    ``max_batch_tokens`` 0 lets the rank pick it for its device: 8192 on a GPU of 70 GiB or more but
+    an A100, 2048 elsewhere; its Capacity reports the value it picked.
     """
 
     kv_pages: int
