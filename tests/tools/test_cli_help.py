@@ -79,6 +79,16 @@ def test_vllm_names_are_aliases_of_ours() -> None:
     assert generate.tp == 2 and generate.log_level == "warning"
     worker = command_parser("worker").parse_args(["--model", "m", "--max-num-seqs", "8"])
     assert worker.max_slots == 8
+    batched = command_parser("serve").parse_args(["--max-num-batched-tokens", "4096"])
+    assert batched.max_batch_tokens == 4096
+    assert command_parser("serve").parse_args([]).max_batch_tokens == 0  # the rank picks it
+
+
+def test_max_batch_tokens_must_be_positive(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        command_parser("serve").parse_args(["--max-batch-tokens", "0"])
+    err = capsys.readouterr().err
+    assert "argument --max-batch-tokens/--max-num-batched-tokens: must be a positive integer, got '0'" in err
 
 
 def test_generate_logs_warnings_unless_verbose_and_errors_only_when_quiet() -> None:
