@@ -121,10 +121,13 @@ def _fast_key_function(args: tuple, count: int) -> Callable[[tuple], tuple]:
             parts.append(f"_INT[{a}.__class__], {a} == 1, not {a} & 15, {-_INT32} <= {a} < {_INT32}")
         elif arg.__class__ is float:
             parts.append(f"_FLOAT[{a}.__class__]")
+        elif arg is None:  # an optional tensor left out: a tensor there later is another kind
+            parts.append(f"_NONE[{a}.__class__]")
         else:
             parts.append(a)
     source = f"lambda a: ({', '.join(parts)}, *a[{count}:])"
-    return eval(source, {"_INT": {int: int}, "_FLOAT": {float: float}})  # noqa: S307 (our own text)
+    kinds = {"_INT": {int: int}, "_FLOAT": {float: float}, "_NONE": {type(None): None}}
+    return eval(source, kinds)  # noqa: S307 (our own text)
 
 
 _KIND_CHANGED = (AttributeError, KeyError, TypeError)

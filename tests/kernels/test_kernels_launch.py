@@ -112,6 +112,17 @@ def test_a_tensor_where_the_first_launch_had_an_integer_is_a_new_specialisation(
     assert [entry[0] for entry in kernel.log] == ["jit", "jit"]
 
 
+def test_an_optional_tensor_left_out_then_given_is_another_specialisation(kernel: _Kernel) -> None:
+    fast = launch.FastLaunch(kernel)
+    x = torch.zeros(64)
+    fast((1,), None, 7, 128, num_warps=4)
+    fast((1,), x, 7, 128, num_warps=4)  # a tensor where None was: the general key, not a per-tensor one
+    fast((1,), torch.zeros(64), 7, 128, num_warps=4)
+    fast((1,), None, 7, 128, num_warps=4)
+    assert [entry[0] for entry in kernel.log] == ["jit", "jit", "fast", "fast"]
+    assert len(fast._compiled) == 2
+
+
 def test_a_constexpr_before_runtime_parameters_is_keyed_by_value(kernel: _Kernel) -> None:
     """(BLOCK: constexpr, x_ptr, n): the key tests each position instead of splitting the tail."""
     kernel.params = [SimpleNamespace(num=0, is_constexpr=True), SimpleNamespace(num=1, is_constexpr=False),
