@@ -9,7 +9,22 @@ from pathlib import Path
 import pytest
 
 from phalanx.models.tiny import build_tiny_model
+from tests.support.interpreter_checks import start_ahead, stop_ahead
 from tests.support.live_server import live_server
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The Triton interpreter checks of the collected kernel modules start now, in the background."""
+    start_ahead([str(item.path) for item in session.items if _runs_interpreted(item)])
+
+
+def _runs_interpreted(item: pytest.Item) -> bool:
+    module = getattr(item, "module", None)
+    return module is not None and "run_interpreted" in vars(module)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    stop_ahead()
 
 
 @pytest.fixture(scope="session")

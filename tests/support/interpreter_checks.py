@@ -13,7 +13,9 @@ import subprocess
 import sys
 import traceback
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from subprocess import PIPE
 
 import torch
 
@@ -34,21 +36,58 @@ def report(checks: dict[str, Callable[[], dict[str, float]]], seed: int = 0) -> 
         print(json.dumps(record), flush=True)
 
 
-def run_interpreted(module_file: str, timeout: float) -> dict[str, dict[str, object]]:
-    """Parent side: the records of ``module_file`` run as an interpreter child, by check name."""
+# Children started ahead (``start_ahead``), by module path; the one running, to stop at the end.
+_AHEAD: dict[str, Future[tuple[int, str, str]]] = {}
+_RUNNING: list[subprocess.Popen[str]] = []
+_AHEAD_TIMEOUT = 300.0
+
+
+def start_ahead(module_files: list[str]) -> None:
+    """Run these modules' interpreter children one after another on a background thread from now:
+    the test process uses one core, and the children take the other while it works, instead of
+    each blocking the session when its module's fixture asks (two minutes of a CI run)."""
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="interpreter-checks")
+    for module_file in sorted(set(module_files)):
+        _AHEAD[str(Path(module_file).resolve())] = pool.submit(_child, module_file, _AHEAD_TIMEOUT)
+    pool.shutdown(wait=False)
+
+
+def stop_ahead() -> None:
+    """Drop the children not started yet and stop the one running (the session is over)."""
+    for future in _AHEAD.values():
+        future.cancel()
+    for proc in _RUNNING:
+        proc.kill()
+
+
+def _child(module_file: str, timeout: float) -> tuple[int, str, str]:
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, module_file], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    proc = subprocess.Popen(
+        [sys.executable, module_file], env=env, cwd=ROOT, stdout=PIPE, stderr=PIPE, text=True
     )
+    _RUNNING.append(proc)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    finally:
+        _RUNNING.remove(proc)
+    return proc.returncode, stdout, stderr
+
+
+def run_interpreted(module_file: str, timeout: float) -> dict[str, dict[str, object]]:
+    """Parent side: the records of ``module_file`` run as an interpreter child, by check name
+    (the child started ahead if it was, else one started now)."""
+    ahead = _AHEAD.pop(str(Path(module_file).resolve()), None)
+    returncode, stdout, stderr = ahead.result() if ahead is not None else _child(module_file, timeout)
     records = {}
-    for line in proc.stdout.splitlines():
+    for line in stdout.splitlines():
         if line.startswith("{"):
             record = json.loads(line)
             records[record["name"]] = record
     if not records:
-        raise RuntimeError(
-            f"interpreter checks produced no results (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
-        )
+        raise RuntimeError(f"interpreter checks produced no results (rc {returncode}):\n{stderr[-4000:]}")
     return records
 
 
