@@ -2,7 +2,8 @@
 
 The interpreter must be switched on before triton is first imported, and pytest's process has
 imported it already, so each kernel test module re-runs itself as a child (``python <module>``)
-that prints one JSON line per check; the parent's fixture collects them by name.
+that prints one JSON line per check; the parent's fixture collects them by name. The session
+starts those children in the background as soon as collection ends (``start_ahead``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import traceback
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from subprocess import PIPE
 
 import torch
 
@@ -63,7 +63,12 @@ def stop_ahead() -> None:
 def _child(module_file: str, timeout: float) -> tuple[int, str, str]:
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
-        [sys.executable, module_file], env=env, cwd=ROOT, stdout=PIPE, stderr=PIPE, text=True
+        [sys.executable, module_file],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     _RUNNING.append(proc)
     try:
