@@ -98,7 +98,7 @@ class SchedulingConfig:
         _check_positive(self, "prefix_snapshot_interval")
         if self.max_batch_tokens < 0:
             raise ValueError(
-                f"max_batch_tokens must be positive (0: as the GPU suits), got {self.max_batch_tokens}"
+                f"max_batch_tokens must be 0 (picked by each rank) or more, got {self.max_batch_tokens}"
             )
         if self.max_slots < 0:
             raise ValueError(_AS_MANY_AS_FIT.format(name="max_slots", value=self.max_slots))

@@ -55,6 +55,7 @@ def test_unknown_fields_and_bad_values_are_refused_by_name() -> None:
         ({"step_timeout": 0.0}, "step_timeout must be positive, got 0.0"),
         ({"log_level": "loud"}, "log level must be one of debug, info, warning, error, got 'loud'"),
         ({"prefix_snapshots": -1}, "prefix_snapshots must be 0 (sized by each rank) or more, got -1"),
+        ({"max_batch_tokens": -1}, "max_batch_tokens must be 0 (picked by each rank) or more, got -1"),
         (
             {"prefix_cache": False, "prefix_snapshots": 8},
             "prefix_snapshots 8 given with the prefix cache off",
