@@ -43,7 +43,23 @@ def fla_core_available() -> bool:
     except ImportError:
         return False
     _skip_disabled_config_cache()
+    _launch_kept_configs()
     return True
+
+
+def _launch_kept_configs() -> None:
+    """The kernels of the three forward steps we run launch through ``AutotunedLaunch``."""
+    import importlib
+
+    from phalanx.kernels.fla_launch import install
+
+    names = (
+        "gated_delta_rule.chunk_fwd",
+        "gated_delta_rule.wy_fast",
+        "common.chunk_delta_h",
+        "common.chunk_o",
+    )
+    install(*(importlib.import_module(f"fla.ops.{name}") for name in names))
 
 
 def _skip_disabled_config_cache() -> None:

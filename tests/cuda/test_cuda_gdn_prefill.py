@@ -50,15 +50,18 @@ def test_gdn_prefill_fused_inputs_and_fla_core(
     gates = rand(tokens, 2 * HV)
     a, b = gates[:, :HV], gates[:, HV:]
     a_log, dt = torch.rand(HV, device=DEV).log(), rand(HV)
-    state = torch.randn(8, HV, DK, DV, device=DEV) * 0.1
-    state_ref = state.clone()
+    start_state = torch.randn(8, HV, DK, DV, device=DEV) * 0.1
+    state_ref = start_state.clone()
     slots = torch.tensor([5, 0, 7, 2][: len(lens)], device=DEV)
     varlen = Varlen.build(lens, starts, DEV, captures)
     args = (mixed, a, b, a_log, dt, HK)
     bounds = (slots, varlen.cu_seqlens, varlen.has_initial_state)
-    o = gdn_prefill_triton(*args, state, *bounds, varlen)
     o_ref = gdn_prefill_ref(*args, state_ref, *bounds, varlen.captures)
-    assert rel(o, o_ref) <= OUT_TOL
-    assert rel(state, state_ref) <= STATE_TOL
-    for _, _, slot in captures:  # the captured states, one by one
-        assert rel(state[slot], state_ref[slot]) <= STATE_TOL
+    # twice: fla-core's kernels go through their autotuners first, then launch the kept configs
+    for run in ("first", "again"):
+        state = start_state.clone()
+        o = gdn_prefill_triton(*args, state, *bounds, varlen)
+        assert rel(o, o_ref) <= OUT_TOL, run
+        assert rel(state, state_ref) <= STATE_TOL, run
+        for _, _, slot in captures:  # the captured states, one by one
+            assert rel(state[slot], state_ref[slot]) <= STATE_TOL, run
