@@ -28,12 +28,15 @@ class AutotunedLaunch:
     """``kernel[grid](*args, **kwargs)`` for an autotuned kernel (possibly under heuristics)."""
 
     def __init__(self, kernel: Any) -> None:
-        rules: list[tuple[str, Callable[[dict[str, Any]], Any]]] = []
+        # Heuristics outside the autotuner see the call's arguments; inside, the config's values
+        # too. An outer decorator's values reach the inner ones.
+        outer: list[tuple[str, Callable[[dict[str, Any]], Any]]] = []
+        inner: list[tuple[str, Callable[[dict[str, Any]], Any]]] = []
         autotuner = None
         fn = kernel
         while isinstance(fn, (Autotuner, Heuristics)):
             if isinstance(fn, Heuristics):
-                rules.extend(fn.values.items())  # an outer decorator's values reach the inner ones
+                (inner if autotuner is not None else outer).extend(fn.values.items())
             else:
                 autotuner = fn
             fn = fn.fn
@@ -43,7 +46,7 @@ class AutotunedLaunch:
         signature = inspect.signature(fn.fn).parameters.values()
         self.kernel = kernel
         self.autotuner = autotuner
-        self.rules = rules
+        self.outer, self.inner = outer, inner
         self.names = fn.arg_names
         self.defaults = {p.name: p.default for p in signature if p.default is not inspect.Parameter.empty}
         self.fast = FastLaunch(fn)
@@ -60,7 +63,7 @@ class AutotunedLaunch:
     def launch(self, grid: Any, *args: Any, **kwargs: Any) -> Any:
         given = dict(zip(self.names, args, strict=False))
         given.update(kwargs)
-        for name, rule in self.rules:  # as Heuristics.run computes them
+        for name, rule in self.outer:  # as Heuristics.run computes them
             given[name] = rule(given)
         key = self._key(given)
         chosen = self._configs.get(key)
@@ -72,7 +75,10 @@ class AutotunedLaunch:
                 self._configs[key] = (dict(config.kwargs), options)
             return result
         values, options = chosen
-        bound = {**self.defaults, **given, **values}
+        bound = {**given, **values}
+        for name, rule in self.inner:
+            bound[name] = rule(bound)
+        bound = {**self.defaults, **bound}
         self.fast(grid(bound) if callable(grid) else grid, *(bound[name] for name in self.names), **options)
         return None
 

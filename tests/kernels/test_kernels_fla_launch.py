@@ -37,6 +37,33 @@ def _scale_kernel(
     tl.store(out + i, v, mask=mask)
 
 
+@triton.autotune(
+    configs=[triton.Config({"BLOCK": 16}, num_warps=1), triton.Config({"BLOCK": 32}, num_warps=2)],
+    key=["n"],
+    do_bench=lambda kernel_call, quantiles: (kernel_call(), [1.0, 1.0, 1.0])[1],
+)
+@triton.heuristics({"EVEN": lambda args: args["n"] % args["BLOCK"] == 0})  # reads the config's value
+@triton.jit
+def _double_kernel(x, out, n, BLOCK: tl.constexpr, EVEN: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    v = tl.load(x + i) if EVEN else tl.load(x + i, mask=i < n, other=0.0)
+    tl.store(out + i, v * 2, mask=i < n)
+
+
+def check_heuristics_inside_the_autotuner() -> dict[str, float]:
+    from phalanx.kernels.fla_launch import AutotunedLaunch
+
+    launch = AutotunedLaunch(_double_kernel)
+    errors = {}
+    for index, n in enumerate([64, 50, 64, 50]):
+        if index == 2:
+            launch.kernel = None  # from here on only the kept configs may launch
+        x, out = torch.randn(n), torch.full((n,), float("nan"))
+        launch[lambda meta, n=n: (triton.cdiv(n, meta["BLOCK"]),)](x, out, n)
+        errors[f"call{index}_n{n}"] = float((out - 2 * x).abs().max())
+    return errors
+
+
 def check_autotuned_launch() -> dict[str, float]:
     from phalanx.kernels.fla_launch import AutotunedLaunch
 
