@@ -8,9 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from phalanx.models.tiny import build_tiny_model
-from tests.support.interpreter_checks import start_ahead, stop_ahead
-from tests.support.live_server import live_server
+from phalanx.tools.search_path import keep_repository_last
+
+keep_repository_last()  # before anything imports transformers (it imports the `kernels` distribution)
+
+from phalanx.models.tiny import build_tiny_model  # noqa: E402
+from tests.support.interpreter_checks import start_ahead, stop_ahead  # noqa: E402
+from tests.support.live_server import live_server  # noqa: E402
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -65,7 +65,7 @@ def start_attached_rank(
     command = [
         sys.executable,
         "-m",
-        "tools",
+        "phalanx.tools",
         "worker",
         "--model",
         str(model_dir),
