@@ -31,7 +31,8 @@ from phalanx.kernels.varlen import GDN_CHUNK, Varlen
 
 @functools.cache
 def fla_core_available() -> bool:
-    """Whether fla-core's kernels can run here (installed, and not under the Triton interpreter)."""
+    """Whether fla-core's kernels can run here (installed, and not under the Triton interpreter);
+    the first call also readies fla-core's launches (its config cache's key, ``AutotunedLaunch``)."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         return False
     # fla-core's backend dispatch wraps each of its calls in torch.compiler.disable and a scan of
