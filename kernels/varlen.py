@@ -63,6 +63,53 @@ class Varlen:
         captures: Sequence[tuple[int, int, int]] = (),
     ) -> Varlen:
         """``captures``: (chunk, offset, state slot) per state to leave behind (``StateCaptures``)."""
+        layout = VarlenLayout.plan(lengths, starts, captures)
+        # One upload for everything, then views and dtype casts on the device.
+        return cls.from_packed(to_device(torch.from_numpy(layout.packed), device), layout)
+
+    @classmethod
+    def from_packed(cls, packed: torch.Tensor, layout: VarlenLayout) -> Varlen:
+        """The device forms of ``layout`` from its packed values on the device (``packed`` may be
+        a longer buffer: a captured prefill reads its inputs from a fixed one)."""
+        n, tokens, nt, m = layout.counts
+        sizes = [n + 1, n, tokens, tokens, nt, nt, m, m, m]
+        cu_long, starts_dev, chunk_dev, positions_dev, sequence_dev, index_dev, *captured = packed[
+            : sum(sizes)
+        ].split(sizes)
+        return cls(
+            cu_seqlens=cu_long.to(torch.int32),
+            cu_seqlens_long=cu_long,
+            starts=starts_dev.to(torch.int32),
+            has_initial_state=starts_dev > 0,
+            chunk_of_token=chunk_dev.to(torch.int32),
+            positions=positions_dev,
+            gdn_chunks=torch.stack([sequence_dev, index_dev], 1),
+            longest=layout.longest,
+            ends=layout.ends,
+            continues=layout.continues,
+            continues_all=layout.continues_all,
+            captures=StateCaptures(layout.capture_chunks, layout.capture_offsets, *captured) if m else None,
+        )
+
+
+@dataclass(frozen=True)
+class VarlenLayout:
+    """A varlen batch worked out on the host: its packed int64 values (bounds, starts, chunk of
+    each token, positions, fla-core's chunk indices, the captures) and the host facts."""
+
+    packed: np.ndarray
+    counts: tuple[int, int, int, int]  # chunks, tokens, fla-core chunks, captures
+    longest: int
+    ends: tuple[int, ...]
+    continues: bool
+    continues_all: bool
+    capture_chunks: tuple[int, ...]
+    capture_offsets: tuple[int, ...]
+
+    @classmethod
+    def plan(
+        cls, lengths: Sequence[int], starts: Sequence[int], captures: Sequence[tuple[int, int, int]] = ()
+    ) -> VarlenLayout:
         if not lengths or min(lengths) < 1 or len(starts) != len(lengths):
             raise ValueError(f"a varlen batch needs chunks of at least one token, got {list(lengths)}")
         for chunk, offset, _ in captures:
@@ -86,42 +133,24 @@ class Varlen:
         capture_chunk, capture_offset, capture_slot = capture.T
         token_ends = cu[capture_chunk] + capture_offset
         gdn_chunks = gdn_offsets[capture_chunk] + capture_offset // GDN_CHUNK
-        # One upload for everything, then views and dtype casts on the device.
-        packed = to_device(
-            torch.from_numpy(
-                np.concatenate(
-                    [
-                        cu,
-                        start,
-                        chunk_of_token,
-                        positions,
-                        gdn_sequence,
-                        gdn_index,
-                        token_ends,
-                        gdn_chunks,
-                        capture_slot,
-                    ]
-                )
-            ),
-            device,
-        )
-        n, tokens, nt, m = len(length), int(cu[-1]), len(gdn_sequence), len(capture)
-        cu_long, starts_dev, chunk_dev, positions_dev, sequence_dev, index_dev, *captured = packed.split(
-            [n + 1, n, tokens, tokens, nt, nt, m, m, m]
-        )
+        parts = [
+            cu,
+            start,
+            chunk_of_token,
+            positions,
+            gdn_sequence,
+            gdn_index,
+            token_ends,
+            gdn_chunks,
+            capture_slot,
+        ]
         return cls(
-            cu_seqlens=cu_long.to(torch.int32),
-            cu_seqlens_long=cu_long,
-            starts=starts_dev.to(torch.int32),
-            has_initial_state=starts_dev > 0,
-            chunk_of_token=chunk_dev.to(torch.int32),
-            positions=positions_dev,
-            gdn_chunks=torch.stack([sequence_dev, index_dev], 1),
+            packed=np.concatenate(parts),
+            counts=(len(length), int(cu[-1]), len(gdn_sequence), len(capture)),
             longest=int(length.max()),
             ends=tuple((start + length).tolist()),
             continues=bool(start.any()),
             continues_all=bool(start.all()),
-            captures=StateCaptures(tuple(capture_chunk.tolist()), tuple(capture_offset.tolist()), *captured)
-            if m
-            else None,
+            capture_chunks=tuple(capture_chunk.tolist()),
+            capture_offsets=tuple(capture_offset.tolist()),
         )

@@ -70,17 +70,20 @@ class StateSlotLayout:
     """Which state slots of the model's pool hold what.
 
     ``0..max_slots-1`` are the dense decode slots, ``max_slots..2*max_slots-1`` the prefill
-    staging states, and in graph mode ``spare_base..snapshot_base-1`` are spare slots that
+    staging states, and in graph mode ``spare_base..prefill_padding-1`` are spare slots that
     complete the decode region to the top bucket, so a padded batch always finds free slots for
-    its padding rows (a batch of ``n`` rows pads to ``bucket_for(n) <= bucket_for(max_slots)``).
-    The prefix cache's snapshot slots come last, ``snapshot_base..total-1``: no step reads or
-    writes them, only the copies of a restore or a save (``worker/snapshots.py``).
+    its padding rows (a batch of ``n`` rows pads to ``bucket_for(n) <= bucket_for(max_slots)``),
+    and ``prefill_padding`` takes the padding chunk of a graphed prefill
+    (``worker/prefill_graphs.py``). The prefix cache's snapshot slots come last,
+    ``snapshot_base..total-1``: no step reads or writes them, only the copies of a restore or a
+    save (``worker/snapshots.py``).
     """
 
     max_slots: int
     spare_base: int
     snapshot_base: int
     total: int
+    prefill_padding: int | None = None  # graph mode only
 
     @property
     def snapshot_slots(self) -> int:
@@ -89,10 +92,12 @@ class StateSlotLayout:
 
 def state_slot_layout(max_slots: int, cuda_graph: bool, snapshot_slots: int = 0) -> StateSlotLayout:
     spare = bucket_for(max_slots) - max_slots if cuda_graph else 0
-    snapshot_base = 2 * max_slots + spare
+    padding = 2 * max_slots + spare
+    snapshot_base = padding + (1 if cuda_graph else 0)
     return StateSlotLayout(
         max_slots=max_slots,
         spare_base=2 * max_slots,
         snapshot_base=snapshot_base,
         total=snapshot_base + snapshot_slots,
+        prefill_padding=padding if cuda_graph else None,
     )

@@ -110,7 +110,7 @@ def size_capacity(
             requested, states_budget, state, lambda left: min(requested, max(0, left) // state)
         )
         slots = reserve.max_batch
-        state_bytes = reserve.reserve_bytes + slots * state
+        state_bytes = reserve.reserve_bytes + (slots + 1) * state  # + a graphed prefill's padding slot
     else:
         slots = min(requested, states_budget // (2 * state))
         state_bytes = 2 * slots * state

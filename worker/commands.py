@@ -40,6 +40,7 @@ from phalanx.worker.faults import fault_point
 from phalanx.worker.grammar import GrammarTable
 from phalanx.worker.graphs import DecodeGraphRunner
 from phalanx.worker.pending_steps import PendingDecode, PendingPrefill, PendingUnified
+from phalanx.worker.prefill_graphs import PrefillGraphRunner
 from phalanx.worker.prefill_waves import run_prefill
 from phalanx.worker.request_table import Phase, RequestTable, SlotTable
 from phalanx.worker.sampling import DrawnTokens, draw_tokens
@@ -69,6 +70,7 @@ class StepRunner:
         self.slots = SlotTable(max_slots)
         self.snapshots = SnapshotTable() if snapshots is None else snapshots  # none: the prefix cache is off
         self.graphs: DecodeGraphRunner | None = None  # set in graph mode (worker.graphs)
+        self.prefill_graphs: PrefillGraphRunner | None = None  # graph mode, one rank (worker.prefill_graphs)
         self.grammars: GrammarTable | None = None  # rank 0's constrained requests (worker.grammar)
         self._fed_tokens = torch.zeros(max_slots, dtype=torch.int64, device=device)
         # request id -> decode slot of every decode row of the previous command: the rows a
@@ -219,7 +221,7 @@ class StepRunner:
     # -- execution ------------------------------------------------------------------------------
 
     def _run_prefill(self, plans: list[ChunkPlan]) -> PendingPrefill | None:
-        output = run_prefill(self.model, plans, self.device, self.snapshots)
+        output = run_prefill(self.model, plans, self.device, self.snapshots, self.prefill_graphs)
         for plan in plans:
             plan.state.cached = plan.chunk.start + len(plan.tokens)
             if plan.chunk.last:

@@ -1,19 +1,18 @@
 """The decode graph runner: one CUDA graph per batch bucket, replayed from static input buffers.
 
-Decode rows are staged into static buffers (tokens, positions, state slots, page table) sized
-for the largest bucket (``worker/graph_inputs.py``); a batch of ``n`` rows runs the graph of
+Decode rows are staged into static buffers (tokens, positions, state slots, page table) sized for
+the largest bucket (``worker/graph_inputs.py``); a batch of ``n`` rows runs the graph of
 ``bucket_for(n)``, whose extra rows are padding: token 0 at position 0, every page the padding KV
 page (page id ``kv_pages``), and a free state slot each, so their KV writes and state updates land
-where nobody reads. Their logits are discarded. Recurrent and conv state live at fixed addresses
-in the model's state pool and are indexed by slot, so a graph never needs re-capturing when
-requests move between slots. Each step also picks every row's greedy token (argmax) and writes it
-to ``inputs.fed_tokens`` at the row's slot, inside the graph, in one kernel
+where nobody reads. Their logits are discarded. Recurrent and conv state live at fixed addresses in
+the model's state pool and are indexed by slot, so a graph never needs re-capturing when requests
+move between slots. Each step also picks every row's greedy token (argmax) and writes it to
+``inputs.fed_tokens`` at the row's slot, inside the graph, in one kernel
 (``kernels/greedy_triton.py``): a pipelined next step feeds from there, and rank 0 draws nothing
 more for greedy rows, whose sampling outside the graph would lengthen each step
-(docs/benchmarks/kernel-choices-h200.md).
-Each step's rows and page table are written to pinned host buffers, which the graph's first kernel
-reads, and the greedy tokens come back the same way, landed in pinned memory by that last kernel
-(``worker/graph_inputs.py``): no copy call either way.
+(docs/benchmarks/kernel-choices-h200.md). Each step's rows and page table are written to pinned
+host buffers, which the graph's first kernel reads, and the greedy tokens come back the same way,
+landed in pinned memory by that last kernel (``worker/graph_inputs.py``): no copy call either way.
 
 Graphs are made only by the pre-capture sweep, in lockstep across ranks, one phase per command:
 ``Warmup`` (one eager all-reduce per bucket size, and one eager step per bucket so every kernel
@@ -22,9 +21,9 @@ is compiled and tuned before capture), ``Capture(b)`` (record and instantiate, n
 ``Finalize`` (every bucket captured). Serving is replay-only: a capture while serving would
 desynchronise recorded collectives across ranks.
 
-Where graphs cannot be used (on CPU, or when the model reports that its decode kernels cannot be
-captured for this geometry) the runner runs the very same bucketed static buffers, padding rows
-and sweep eagerly ("eager static-buffer" mode), and says so once in the log (``worker/graph_gate.py``).
+Where graphs cannot be used (on CPU, or where the model's decode kernels cannot be captured) the
+runner runs the same static buffers, padding rows and sweep eagerly, and logs it once
+(``worker/graph_gate.py``). Prefill graphs: ``worker/prefill_graphs.py``.
 """
 
 from __future__ import annotations
@@ -365,8 +364,10 @@ def build_graph_runner(
     return DecodeGraphRunner(model, geometry, device, rank=rank)
 
 
-def precapture_handler(runner: DecodeGraphRunner | None, rank: int) -> Callable[[Precapture], Ack]:
-    """The command loop's handler for ``Precapture``: one sweep phase on this rank's runner."""
+def precapture_handler(
+    runner: DecodeGraphRunner | None, rank: int, on_finalize: Callable[[], None] | None = None
+) -> Callable[[Precapture], Ack]:
+    """The ``Precapture`` handler: one sweep phase; ``on_finalize`` (prefill graphs) after the last."""
 
     def handle(command: Precapture) -> Ack:
         if runner is None:
@@ -374,6 +375,8 @@ def precapture_handler(runner: DecodeGraphRunner | None, rank: int) -> Callable[
         try:
             fault_point("precapture", rank)
             runner.run_phase(command.phase)
+            if isinstance(command.phase, Finalize) and on_finalize is not None:
+                on_finalize()
         except GraphError:
             raise
         except Exception as exc:

@@ -48,6 +48,7 @@ from phalanx.worker.heartbeat import HeartbeatThread
 from phalanx.worker.logs import bind_epoch, configure_logging
 from phalanx.worker.loop import EXIT_CANCELLED, EXIT_OK, EXIT_POISONED, CommandLoop
 from phalanx.worker.memory_profile import measure_activations
+from phalanx.worker.prefill_graphs import PrefillGraphRunner
 from phalanx.worker.snapshots import SnapshotTable
 from phalanx.worker.watchdog import Watchdog
 
@@ -241,6 +242,14 @@ def _startup(sock: RankSocket, config: WorkerConfig) -> tuple[StepRunner, int] |
         SnapshotTable(slots.snapshot_base, slots.snapshot_slots),
     )
     runner.graphs = graphs
+    if graphs is not None and config.world_size == 1:
+        runner.prefill_graphs = PrefillGraphRunner(
+            model,
+            device,
+            pad_slot=slots.prefill_padding,
+            pad_page=effective.kv_pages,
+            max_pages=graphs.geometry.max_pages,
+        )
     if config.rank == 0:  # the rank that samples keeps the constrained requests' matchers
         runner.grammars = GrammarTable(config.model_dir, model.config.vocab_size, model.config.eos_token_ids)
     return runner, epoch
@@ -289,7 +298,9 @@ def run_worker(config: WorkerConfig) -> int:
             heartbeat.start()
         loop = CommandLoop(sock, config.rank, epoch, runner)
         if runner.graphs is not None:
-            loop.register(Precapture, precapture_handler(runner.graphs, config.rank))
+            prefill = runner.prefill_graphs
+            on_finalize = prefill.capture if prefill is not None else None
+            loop.register(Precapture, precapture_handler(runner.graphs, config.rank, on_finalize))
         code = loop.run()
         if runner.graphs is not None:
             runner.graphs.release()  # graphs hold the process group's collectives: drop them first

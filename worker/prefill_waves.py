@@ -24,6 +24,7 @@ from phalanx.kernels.varlen import GDN_CHUNK
 from phalanx.models.qwen35 import PrefillBatch
 from phalanx.models.qwen35.parallel import TokenScores
 from phalanx.protocol.messages import PromptLogprobs, StateSnapshot
+from phalanx.worker.prefill_graphs import PrefillGraphRunner
 from phalanx.worker.prompt_scoring import PromptScoring
 from phalanx.worker.snapshots import SnapshotTable
 from phalanx.worker.step_plans import ChunkPlan
@@ -80,9 +81,14 @@ class PrefillOutput:
 
 
 def run_prefill(
-    model, plans: list[ChunkPlan], device: torch.device, snapshots: SnapshotTable
+    model,
+    plans: list[ChunkPlan],
+    device: torch.device,
+    snapshots: SnapshotTable,
+    graphs: PrefillGraphRunner | None = None,
 ) -> PrefillOutput:
-    """Restores, then the waves with their saves; the plans are checked (``worker/commands.py``)."""
+    """Restores, then the waves with their saves; the plans are checked (``worker/commands.py``).
+    A wave of one short segment replays a prefill graph (``worker/prefill_graphs.py``)."""
     waves = split_waves(plans)
     first = [(plans[s.index].chunk, plans[s.index].tokens[s.offset : s.end]) for s in waves[0]]
     scoring = PromptScoring.plan(first)
@@ -92,13 +98,13 @@ def run_prefill(
     final: list[torch.Tensor | None] = [None] * len(plans)
     scores = None
     for number, wave in enumerate(waves):
-        batch = PrefillBatch.build(
-            [_batch_chunk(plans[s.index], s) for s in wave], device, _captures(plans, wave, snapshots)
-        )
+        chunks = [_batch_chunk(plans[s.index], s) for s in wave]
+        captures = _captures(plans, wave, snapshots)
         if number == 0 and scoring is not None and scoring.rows:
+            batch = PrefillBatch.build(chunks, device, captures)
             logits, scores = model.prefill_scored(batch, *scoring.tensors(device), scoring.top_n)
         else:
-            logits = model.prefill(batch)
+            logits = _prefill(model, chunks, device, captures, graphs)
         for row, segment in enumerate(wave):
             if segment.final:
                 final[segment.index] = logits[row]
@@ -110,6 +116,23 @@ def run_prefill(
                 snapshots.record(segment.save)
     # One wave holds every chunk whole, in order: its logits are already the chunks'.
     return PrefillOutput(logits if len(waves) == 1 else torch.stack(final), scoring, scores)
+
+
+def _prefill(
+    model,
+    chunks: list[tuple[list[int], int, int, list[int]]],
+    device: torch.device,
+    captures: list[tuple[int, int, int]],
+    graphs: PrefillGraphRunner | None,
+) -> torch.Tensor:
+    """One pass: a lone segment that fits a graph replays it, anything else runs eagerly."""
+    if graphs is not None and len(chunks) == 1:
+        tokens, start, slot, pages = chunks[0]
+        key = graphs.key_for(len(tokens), start, len(pages), len(captures))
+        if key is not None:
+            saves = [(offset, to) for _, offset, to in captures]
+            return graphs.prefill(key, tokens, start, slot, pages, saves)
+    return model.prefill(PrefillBatch.build(chunks, device, captures))
 
 
 def _batch_chunk(plan: ChunkPlan, segment: Segment) -> tuple[list[int], int, int, list[int]]:

@@ -179,8 +179,8 @@ class Qwen35Model:
         self._require_cache("prefill")
         varlen = batch.varlen
         page_tables = batch.page_tables.to(self.device)
-        self._check_prefill_extent(varlen.ends, page_tables.shape[1])
-        self._check_token_ids(batch.token_range)
+        self.check_prefill_extent(varlen.ends, page_tables.shape[1])
+        self.check_token_ids(batch.token_range)
         positions = varlen.positions
         pages = page_tables[varlen.chunk_of_token.long(), positions // self.page_size].long()
         ctx = StepContext(
@@ -196,7 +196,7 @@ class Qwen35Model:
         hidden, residual = self._layers(batch.tokens.to(self.device), ctx)
         return hidden, residual, varlen.cu_seqlens
 
-    def _check_token_ids(self, token_range: tuple[int, int]) -> None:
+    def check_token_ids(self, token_range: tuple[int, int]) -> None:
         low, high = token_range
         if low < 0 or high >= self.config.vocab_size:
             bad = low if low < 0 else high
@@ -204,7 +204,7 @@ class Qwen35Model:
                 f"rank {self.rank}: prefill token id {bad} is outside the vocabulary [0, {self.config.vocab_size})"
             )
 
-    def _check_prefill_extent(self, ends: tuple[int, ...], table_width: int) -> None:
+    def check_prefill_extent(self, ends: tuple[int, ...], table_width: int) -> None:
         """Each chunk's page table must cover its positions, and they must have RoPE entries."""
         for chunk, end in enumerate(ends):
             if end > table_width * self.page_size:

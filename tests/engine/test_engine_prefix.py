@@ -26,10 +26,18 @@ SNAPSHOTS, INTERVAL = 6, 8  # few snapshot slots: the workloads below evict them
 SYSTEM = [(7 * i + 3) % 380 + 1 for i in range(45)]  # a shared "system prompt"
 
 
-def start(tiny_model_dir: Path, tp: int, cached: bool, page_size: int = PAGE_SIZE, **capacity: int) -> Engine:
+def start(
+    tiny_model_dir: Path,
+    tp: int,
+    cached: bool,
+    page_size: int = PAGE_SIZE,
+    graphs: bool = False,
+    **capacity: int,
+) -> Engine:
     config = EngineConfig(
         model_dir=tiny_model_dir,
         tp=tp,
+        cuda_graph=graphs,
         page_size=page_size,
         prefix_cache=cached,
         prefix_snapshot_interval=INTERVAL,
@@ -52,9 +60,12 @@ def reference(tiny_model_dir: Path):
     engine.shutdown()
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+# "tp1-graphs": the padded single-chunk prefills of the graph runner, run eagerly on CPU
+# (worker/prefill_graphs.py), with the decode graphs' static buffers beside them
+@pytest.fixture(scope="module", params=[(1, False), (2, False), (1, True)], ids=["tp1", "tp2", "tp1-graphs"])
 def cached(request, tiny_model_dir: Path):
-    engine = start(tiny_model_dir, request.param, cached=True)
+    tp, graphs = request.param
+    engine = start(tiny_model_dir, tp, cached=True, graphs=graphs)
     assert engine._executor.capacity.snapshot_slots == SNAPSHOTS
     yield engine
     engine.shutdown()

@@ -60,13 +60,14 @@ def test_defaults_take_256_slots_and_give_the_rest_to_kv_pages(gpu: dict[str, in
     budget = int(140 * GIB * 0.9) - 10 * GIB - GIB - GIB // 2 - CUDA_SLACK_BYTES
     assert plan.for_caches == budget
     assert capacity.max_slots == 256
-    states = (256 + 256) * model.state  # decode slots (the 256 bucket) + prefill staging
+    # decode slots (the 256 bucket) + prefill staging + a graphed prefill's padding slot
+    states = (256 + 256 + 1) * model.state
     snapshots = int(budget * SNAPSHOT_SHARE) // model.state  # a tenth of the cache memory
     assert capacity.snapshot_slots == snapshots == 243
     assert capacity.kv_pages == (budget - states - snapshots * model.state) // model.kv_page - 1
     line = memory_line(capacity, plan, model, True, 32768)
     assert "(256 slots)" in line and "graph buckets 1-256" in line and "activations 1.00 GiB" in line
-    assert "request states 24.00 GiB (256 slots), prefix snapshots 243 (11.39 GiB)" in line
+    assert "request states 24.05 GiB (256 slots), prefix snapshots 243 (11.39 GiB)" in line
     off, _ = size_capacity(
         _limits(prefix_cache=False), model, CUDA, 0, cuda_graph=True, activations=activations
     )

@@ -227,12 +227,13 @@ def test_padding_slots_pick_free_decode_slots_then_spare_slots() -> None:
 
 
 def test_state_slot_layout_completes_the_decode_region_to_the_top_bucket() -> None:
-    layout = state_slot_layout(5, cuda_graph=True)
-    assert (layout.spare_base, layout.total) == (10, 13)
-    assert state_slot_layout(5, cuda_graph=False).total == 10
-    assert state_slot_layout(8, cuda_graph=True).total == 16
-    with_snapshots = state_slot_layout(5, cuda_graph=True, snapshot_slots=7)  # after the spare slots
-    assert (with_snapshots.snapshot_base, with_snapshots.snapshot_slots, with_snapshots.total) == (13, 7, 20)
+    layout = state_slot_layout(5, cuda_graph=True)  # 3 spare slots, then the prefill padding slot
+    assert (layout.spare_base, layout.prefill_padding, layout.total) == (10, 13, 14)
+    eager = state_slot_layout(5, cuda_graph=False)
+    assert (eager.total, eager.prefill_padding) == (10, None)
+    assert state_slot_layout(8, cuda_graph=True).total == 17
+    with_snapshots = state_slot_layout(5, cuda_graph=True, snapshot_slots=7)  # after the padding slot
+    assert (with_snapshots.snapshot_base, with_snapshots.snapshot_slots, with_snapshots.total) == (14, 7, 21)
 
 
 def test_staging_writes_rows_and_page_table_and_pads_the_bucket(monkeypatch: pytest.MonkeyPatch) -> None:
