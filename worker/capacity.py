@@ -153,7 +153,8 @@ def _plan(
         weights=model.weight_bytes,
         activations=activations.serving,
         # One pool serves every bucket's graph; the largest bucket's decode is its high-water mark.
-        graphs=activations.decode if cuda_graph else 0,
+        # The prefill graphs share another, as large as their largest pass.
+        graphs=activations.decode + activations.graphed_prefill if cuda_graph else 0,
         slack=CUDA_SLACK_BYTES + (COMMUNICATOR_BYTES if model.world_size > 1 else 0),
         state_per_slot=model.state_bytes_per_slot(),
         kv_per_page=model.kv_bytes_per_page(limits.page_size),

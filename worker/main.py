@@ -48,7 +48,7 @@ from phalanx.worker.heartbeat import HeartbeatThread
 from phalanx.worker.logs import bind_epoch, configure_logging
 from phalanx.worker.loop import EXIT_CANCELLED, EXIT_OK, EXIT_POISONED, CommandLoop
 from phalanx.worker.memory_profile import measure_activations
-from phalanx.worker.prefill_graphs import PrefillGraphRunner
+from phalanx.worker.prefill_graphs import GRAPHED_PREFILL_TOKENS, PrefillGraphRunner
 from phalanx.worker.snapshots import SnapshotTable
 from phalanx.worker.watchdog import Watchdog
 
@@ -192,7 +192,8 @@ def _startup(sock: RankSocket, config: WorkerConfig) -> tuple[StepRunner, int] |
         if device.type == "cuda":
             requested = limits.max_slots or MAX_GRAPH_BATCH
             rows = bucket_for(min(requested, MAX_GRAPH_BATCH)) if config.cuda_graph else requested
-            activations = measure_activations(model, device, limits.max_batch_tokens, rows)
+            graphed = GRAPHED_PREFILL_TOKENS if config.cuda_graph and config.world_size == 1 else 0
+            activations = measure_activations(model, device, limits.max_batch_tokens, rows, graphed)
         local, memory = size_capacity(limits, model, device, config.rank, config.cuda_graph, activations)
     except Exception as exc:
         raise StartupFailure(phase, exc, epoch) from exc

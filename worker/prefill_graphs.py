@@ -31,6 +31,7 @@ log = structlog.get_logger("phalanx.prefill_graphs")
 
 GRAPH_TOKENS = (64, 128, 256, 512)  # the buckets of a chunk's length
 PADDING = GDN_CHUNK  # the padding chunk's least length
+GRAPHED_PREFILL_TOKENS = GRAPH_TOKENS[-1] + PADDING  # the largest graphed pass (its memory is planned)
 
 
 @dataclass(frozen=True)
