@@ -141,7 +141,10 @@ class PrefillGraphRunner:
         if self.device.type == "cuda":
             staged = staged.pin_memory()  # the copy joins the stream; the block outlives it
         self._buffer[: len(host)].copy_(staged, non_blocking=True)
-        return dataclasses.replace(layout, longest=key.total)
+        # A key's graph is captured once for every start and length it serves, so the host facts
+        # its kernels branch on are the key's: the pass always gathers the chunks' states and
+        # masks the fresh ones (the padding chunk always is), even for a chunk that starts at 0.
+        return dataclasses.replace(layout, longest=key.total, continues=True, continues_all=False)
 
     def _body(self, key: GraphKey, layout: VarlenLayout) -> torch.Tensor:
         """The padded pass from the buffer: logits [2, vocab] (the chunk's, then the padding's)."""

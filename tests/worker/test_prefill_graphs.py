@@ -89,3 +89,22 @@ def test_a_token_outside_the_vocabulary_is_refused(model: Qwen35Model, graphs: P
     vocab = model.config.vocab_size
     with pytest.raises(ValueError, match=f"^rank 0: prefill token id {vocab} is outside the vocabulary"):
         graphs.prefill(key, [1, vocab, 2], 0, 1, [0], [])
+
+
+def test_the_host_facts_a_graph_bakes_in_are_its_key_s_alone(graphs: PrefillGraphRunner) -> None:
+    """A graph replays what its capture saw on the host; every chunk a key serves must stage the
+    same host facts (counts, longest, whether states are gathered) whatever its start and length."""
+    served = {
+        GraphKey(128, False, 0): [(65, 0, []), (100, 64, []), (127, 180, [])],
+        GraphKey(128, True, 1): [(128, 0, [(64, 4)]), (128, 16, [(64, 5)])],
+        GraphKey(64, False, 0): [(1, 0, []), (37, 80, [])],
+    }
+    for key, chunks in served.items():
+        facts = set()
+        for length, start, captures in chunks:
+            pages = list(range(-(-(start + length) // PAGE)))
+            assert graphs.key_for(length, start, len(pages), len(captures)) == key
+            layout = graphs._stage(key, _prompt(length, 3), start, 1, pages, captures)
+            facts.add((layout.counts, layout.longest, layout.continues, layout.continues_all))
+        assert len(facts) == 1, (key, facts)
+        assert next(iter(facts))[1:] == (key.total, True, False), key
