@@ -234,15 +234,28 @@ def test_bound_decode_ops_give_the_general_path_s_logits_bit_for_bit(
 def test_engine_on_cuda_generates_the_model_greedy_tokens(tiny_model_dir: Path, cuda_graph: bool) -> None:
     """The whole runtime (executor + one worker process) on CUDA, pipelined, eager and with graphs
     (whose tokens rank 0 reads where the graph landed them): its greedy stream equals the model's
-    own greedy decode on the same GPU."""
+    own greedy decode on the same GPU until they part, if they do, and they part only where the
+    model's top two logits are a bf16 tie. The worker times its kernels' configs afresh, and a
+    different block size sums in a different order: on a random tiny model's near-flat logits that
+    may flip a tie, never a clear pick."""
     from phalanx.engine.engine import Engine, EngineConfig, GenerationParams, TokenEvent
     from phalanx.models.qwen35 import Qwen35Model
 
     prompt = prompt_ids(40, seed=3)
     model = Qwen35Model.load(tiny_model_dir, device=DEV, dtype=torch.bfloat16)
-    expected, _ = greedy(model, prompt, 32)
+    expected, logits = greedy(model, prompt, 32)
     config = EngineConfig(model_dir=tiny_model_dir, tp=1, device="cuda", kv_pages=64, cuda_graph=cuda_graph)
     with Engine.start(config) as engine:
         events = list(engine.submit(prompt, GenerationParams(max_tokens=32, ignore_eos=True)))
     tokens = [e.token_id for e in events if isinstance(e, TokenEvent)]
-    assert tokens == expected
+    assert len(tokens) == len(expected)
+    first_diff = next((i for i, (a, b) in enumerate(zip(tokens, expected, strict=True)) if a != b), None)
+    if first_diff is None:
+        return
+    step = logits[first_diff].float()
+    gap = float(step[expected[first_diff]] - step[tokens[first_diff]])
+    assert gap <= bf16_tie(step), (
+        f"the engine's greedy tokens part from the model's at step {first_diff} (engine "
+        f"{tokens[first_diff]}, model {expected[first_diff]}) by a logit gap of {gap:.4g}, more "
+        f"than a bf16 tie ({bf16_tie(step):.4g})"
+    )
