@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import signal
@@ -19,6 +20,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[2]
 MODEL_NAME = "tiny"
 _ADDRESS = re.compile(r"phalanx serving .* on (http://\S+)")
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 @contextmanager
@@ -46,6 +48,11 @@ class Served:
     process: subprocess.Popen[str]
 
 
+def _terminate_with_parent() -> None:
+    """In the child before exec: ask Linux for SIGTERM when the parent dies (prctl PR_SET_PDEATHSIG)."""
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 @contextmanager
 def serve_process(
     args: list[str],
@@ -55,11 +62,20 @@ def serve_process(
     new_session: bool = False,
 ) -> Iterator[Served]:
     """Run ``phalanx serve ARGS --port 0``. ``new_session`` gives the server and its ranks a process
-    group of their own, which a test may signal as a terminal's Ctrl-C would."""
+    group of their own, which a test may signal as a terminal's Ctrl-C would. The server is sent
+    SIGTERM when the test process dies, so a test run killed from outside (a timeout) leaves no
+    server holding the GPU's memory."""
     argv = [sys.executable, "-m", "phalanx.tools", "serve", *args, "--port", "0"]
     log = log_path.open("w")
     process = subprocess.Popen(
-        argv, cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True, env=env, start_new_session=new_session
+        argv,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+        env=env,
+        start_new_session=new_session,
+        preexec_fn=_terminate_with_parent if sys.platform == "linux" else None,
     )
     found: list[str] = []
     printed: list[str] = []
