@@ -165,6 +165,9 @@ def test_cancel_ends_the_stream_once_and_is_idempotent(engine: Engine) -> None:
     [
         ([], GenerationParams(), "prompt is empty"),
         ([1, 64], GenerationParams(), r"prompt token 64 at index 1 is outside the vocabulary \[0, 64\)"),
+        ([3, 5, -1], GenerationParams(), r"prompt token -1 at index 2 is outside the vocabulary \[0, 64\)"),
+        ([3, True], GenerationParams(), r"prompt token True at index 1 is outside the vocabulary \[0, 64\)"),
+        ([3, 1.0], GenerationParams(), r"prompt token 1.0 at index 1 is outside the vocabulary \[0, 64\)"),
         (
             [1] * 64,
             GenerationParams(max_tokens=1),
@@ -196,6 +199,15 @@ def test_invalid_input_is_refused_before_queueing(engine: Engine, prompt, params
     with pytest.raises(ValueError, match=message):
         engine.submit(prompt, params)
     assert engine.stats().waiting == 0
+
+
+def test_integer_ids_of_any_integral_type_are_taken_as_ints(engine: Engine) -> None:
+    """numpy's integers pass the per-token check that plain ints skip, and run as plain ints."""
+    import numpy as np
+
+    plain = tokens_and_final(engine.submit([5, 9, 2], GenerationParams(max_tokens=3)))[0]
+    numpy_ids = tokens_and_final(engine.submit(list(np.array([5, 9, 2])), GenerationParams(max_tokens=3)))[0]
+    assert numpy_ids == plain
 
 
 def test_poison_gives_every_open_request_exactly_one_error(engine: Engine) -> None:
