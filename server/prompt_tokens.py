@@ -15,6 +15,16 @@ from phalanx.server.detokenizer import TextTokenizer
 SLICE_CHARS = 16_384
 
 
+def lone_surrogate(text: str) -> int | None:
+    """Where ``text`` holds a surrogate code point, if it does. JSON can carry one (an unpaired
+    ``\\ud800`` escape), and no tokenizer takes it: it is not Unicode text."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return e.start
+    return None
+
+
 class TooManyTokens(Exception):
     """The text has more than ``limit`` tokens; ``counted`` is a lower bound of how many."""
 

@@ -15,7 +15,7 @@ from phalanx.server.detokenizer import TextTokenizer
 from phalanx.server.errors import bad_request, unavailable
 from phalanx.server.generation import Generation, StopRule
 from phalanx.server.metrics import ServerMetrics
-from phalanx.server.prompt_tokens import TooManyTokens, encode_within
+from phalanx.server.prompt_tokens import TooManyTokens, encode_within, lone_surrogate
 from phalanx.server.schemas import STRUCTURED_FIELDS, ChatCompletionRequest, SamplingRequest
 from phalanx.server.structured import (
     GrammarCheck,
@@ -92,7 +92,14 @@ class ServerState:
 
     def _encode_prompt(self, text: str, param: str, add_special_tokens: bool) -> list[int]:
         """The text's token ids; tokenizing stops as soon as it has more than the context minus
-        the one token a completion needs, and that is refused."""
+        the one token a completion needs, and that is refused. So is a text that is not Unicode."""
+        surrogate = lone_surrogate(text)
+        if surrogate is not None:
+            raise bad_request(
+                f"{param}: the text holds a lone surrogate (U+{ord(text[surrogate]):04X}), which is not"
+                " Unicode text: a JSON escape \\ud800-\\udfff must be one half of a pair",
+                param=param,
+            )
         try:
             return encode_within(self.tokenizer, text, add_special_tokens, self.max_context - 1)
         except TooManyTokens as e:

@@ -182,6 +182,17 @@ def test_eight_concurrent_streams(base_url: str) -> None:
             {"model": "tiny", "prompt": "hi", "n": 9},
             "n is 9, but this server runs at most 8",
         ),
+        (
+            "/v1/completions",
+            '{"model": "tiny", "prompt": "a\\ud800b"}',
+            "prompt: the text holds a lone surrogate (U+D800)",
+        ),
+        ("/v1/completions", '{"model": "tiny", "prompt": ["ok", "\\udfff"]}', "lone surrogate (U+DFFF)"),
+        (
+            "/v1/chat/completions",
+            '{"model": "tiny", "messages": [{"role": "user", "content": "\\ud83d"}]}',
+            "messages: the text holds a lone surrogate (U+D83D)",
+        ),
         ("/v1/chat/completions", {"model": "tiny", "messages": []}, "messages"),
         ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}, "role"),
     ],
