@@ -94,6 +94,8 @@ def _generate(args: argparse.Namespace) -> int:
     if problem is not None:
         raise ValueError(problem)
     choice = choose_launch(args, Path(model_dir))
+    if args.prompt is not None:
+        _check_utf8(args.prompt)
     tokenizer = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
     prompt_ids = (
         parse_prompt_ids(args.prompt_ids) if args.prompt is None else tokenizer.encode(args.prompt).ids
@@ -129,3 +131,14 @@ def _generate(args: argparse.Namespace) -> int:
     else:
         print(text)
     return 0
+
+
+def _check_utf8(prompt: str) -> None:
+    """The shell passes bytes, and Python keeps those that are not UTF-8 as lone surrogates, which
+    no tokenizer takes."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"--prompt is not UTF-8 text: its character {e.start} is a byte that decodes to nothing"
+        ) from None

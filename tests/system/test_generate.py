@@ -85,6 +85,10 @@ def test_generate_refuses_a_prompt_over_the_context_before_launching(
     ("flags", "message"),
     [
         (["--prompt-ids", "1,x"], "--prompt-ids must be comma-separated integers, got '1,x'"),
+        (
+            ["--prompt", b"ab\xffc".decode("utf-8", "surrogateescape")],  # as Python reads such argv bytes
+            "--prompt is not UTF-8 text: its character 2 is a byte that decodes to nothing",
+        ),
         (["--prompt-ids", "1", "--top-p", "1.5"], r"top_p must be in (0, 1], got 1.5"),
         (
             ["--prompt-ids", "1", "--max-tokens", "0"],
