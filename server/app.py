@@ -36,9 +36,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     where = ".".join(location)
     if first.get("type") == "extra_forbidden":
         return f"{where}: this field is not supported by this server", location[0]
-    return (f"{where}: {first.get('msg')}" if where else str(first.get("msg"))), (
-        location[0] if location else None
-    )
+    # pydantic words a validator's ValueError "Value error, <its text>": the text is the message
+    message = str(first.get("msg")).removeprefix("Value error, ")
+    return (f"{where}: {message}" if where else message), (location[0] if location else None)
 
 
 def create_app(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from phalanx.server.limits import (
     INT32_MAX,
@@ -76,12 +76,16 @@ class SamplingRequest(BaseModel):
     guided_regex: Annotated[str, Field(strict=True)] | None = None
     guided_choice: list[Annotated[str, Field(strict=True)]] | None = None
 
+    @field_validator("presence_penalty", "frequency_penalty", "repetition_penalty")
+    @classmethod
+    def _neutral_penalty(cls, value: float, info: ValidationInfo) -> float:
+        neutral = 1.0 if info.field_name == "repetition_penalty" else 0.0
+        if value != neutral:
+            raise ValueError(f"not supported (only {neutral})")
+        return value
+
     @model_validator(mode="after")
     def _unsupported(self) -> SamplingRequest:
-        neutral = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
-        for name, value in neutral.items():
-            if getattr(self, name) != value:
-                raise ValueError(f"{name} is not supported (only {value})")
         constraints = [name for name in STRUCTURED_FIELDS if getattr(self, name) is not None]
         if len(constraints) > 1:
             raise ValueError(f"{constraints[1]} cannot be combined with {constraints[0]}")

@@ -177,8 +177,9 @@ class ServerState:
         stops = StopRule(body.stop_strings, body.include_stop_str_in_output, body.min_tokens)
         try:
             return Generation(self.engine, self.tokenizer, self.metrics, prompt_ids, params, stops)
-        except ValueError as e:
-            raise bad_request(str(e)) from e
+        except ValueError as e:  # the engine's checks word their field first: "min_tokens must be ..."
+            field = str(e).split(" ", 1)[0].rstrip(":")
+            raise bad_request(str(e), param=field if field in type(body).model_fields else None) from e
         except RuntimeError as e:  # the engine closed between the check above and submit
             raise unavailable(str(e)) from e
 
