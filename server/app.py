@@ -5,7 +5,9 @@ metrics wants it (``server.api_key``)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import structlog
 from fastapi import FastAPI, Request
@@ -29,8 +31,8 @@ log = structlog.get_logger("phalanx.server")
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    first = exc.errors()[0]
-    location = [str(p) for p in first.get("loc", ()) if p != "body"]
+    first = _telling_error(exc.errors())
+    location = [str(p) for p in first.get("loc", ()) if p != "body" and not _union_branch(p)]
     if first.get("type") == "json_invalid":
         return f"the request body is not valid JSON: {first.get('msg')}", None
     where = ".".join(location)
@@ -39,6 +41,24 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     # pydantic words a validator's ValueError "Value error, <its text>": the text is the message
     message = str(first.get("msg")).removeprefix("Value error, ")
     return (f"{where}: {message}" if where else message), (location[0] if location else None)
+
+
+def _telling_error(errors: Sequence[Any]) -> Any:
+    """The error that says most. A field of several types (``prompt``: a string or lists) fails
+    once per type; the branch whose type the value had failed on a constraint (a token id out of
+    range), the others only on the type: that one, at its deepest place."""
+    constraint_errors = [e for e in errors if not str(e.get("type", "")).endswith("_type")]
+    if not constraint_errors:
+        return errors[0]
+    return max(constraint_errors, key=lambda e: len(e.get("loc", ())))
+
+
+def _union_branch(part: object) -> bool:
+    """Whether a location part names a branch of a union (``list[constrained-int]``, ``str``)."""
+    return isinstance(part, str) and ("[" in part or "-" in part or part in _TYPE_NAMES)
+
+
+_TYPE_NAMES = frozenset({"str", "int", "float", "bool", "list", "dict"})
 
 
 def create_app(

@@ -175,6 +175,22 @@ def test_eight_concurrent_streams(base_url: str) -> None:
             "maximum context length",
         ),
         ("/v1/completions", {"model": "tiny", "prompt": [1, 999999]}, "outside the vocabulary"),
+        # a field of several types: the error of the type the value had, where it failed
+        (
+            "/v1/completions",
+            {"model": "tiny", "prompt": [1, 2**40]},
+            "prompt.1: Input should be less than or equal",
+        ),
+        (
+            "/v1/completions",
+            {"model": "tiny", "prompt": [[3, -1]]},
+            "prompt.0.1: Input should be greater than",
+        ),
+        (
+            "/v1/completions",
+            {"model": "tiny", "prompt": "hi", "stop": ["ok", ""]},
+            "stop.1: String should have at least",
+        ),
         ("/v1/completions", {"model": "tiny", "prompt": "hi", "temperature": -1}, "temperature"),
         ("/v1/completions", {"model": "tiny", "prompt": "hi", "frequency_penalty": 0.5}, "not supported"),
         (
