@@ -142,10 +142,13 @@ class Qwen35Model:
         for slot in (src_slot, dst_slot):
             if not 0 <= slot < self.num_state_slots:
                 raise IndexError(f"rank {self.rank}: state slot {slot} outside [0, {self.num_state_slots})")
-        # one multi-tensor copy rather than two launches a layer: a prefix hit's restore and save
-        # are on its time to first token
-        states = [state for gdn in self._linear_layers for state in (gdn.recurrent_state, gdn.conv_state)]
-        torch._foreach_copy_([state[dst_slot] for state in states], [state[src_slot] for state in states])
+        # a multi-tensor copy per kind of state (one dtype each, as its fast path wants) rather than
+        # two launches a layer: a prefix hit's restore and save are on its time to first token
+        for states in (
+            [gdn.recurrent_state for gdn in self._linear_layers],
+            [gdn.conv_state for gdn in self._linear_layers],
+        ):
+            torch._foreach_copy_([state[dst_slot] for state in states], [state[src_slot] for state in states])
 
     def _require_cache(self, phase: str) -> None:
         if self.page_size == 0:
