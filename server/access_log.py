@@ -1,5 +1,5 @@
 """One log line per HTTP request at ``info``: method, path, status, prompt and completion tokens,
-time to first token and total time.
+time to first token and total time, and the request's ``user`` (OpenAI's end-user id) if it named one.
 
 The middleware puts a ``RequestUsage`` record in a context variable for the request's task; a
 Generation started by the route fills it in as it ends, also when the response streams after the
@@ -26,6 +26,7 @@ class RequestUsage:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     ttft_s: float | None = None
+    user: str | None = None  # the request body's end-user id
 
     def record(self, prompt_tokens: int, completion_tokens: int, ttft_s: float | None) -> None:
         self.prompt_tokens, self.completion_tokens, self.ttft_s = prompt_tokens, completion_tokens, ttft_s
@@ -77,5 +78,7 @@ class AccessLog:
                     completion_tokens=usage.completion_tokens,
                     ttft_ms=_ms(usage.ttft_s),
                 )
+            if usage.user is not None:
+                generated["user"] = usage.user
             total_ms = _ms(time.monotonic() - started)
             emit("request", method=scope["method"], path=path, status=status, **generated, total_ms=total_ms)

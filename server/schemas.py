@@ -69,7 +69,7 @@ class SamplingRequest(BaseModel):
     stop_token_ids: list[Annotated[int, Field(strict=True)]] | None = None  # checked against the vocabulary
     include_stop_str_in_output: Flag = False
     prompt_logprobs: LogprobCount | None = None
-    user: ModelName | None = None  # OpenAI's end-user id: recorded by no one, changes nothing
+    user: ModelName | None = None  # OpenAI's end-user id: named in the request's access-log line
     # structured output (server/structured.py): at most one of these
     response_format: dict[str, Any] | None = None
     guided_json: dict[str, Any] | Annotated[str, Field(strict=True)] | None = None

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from phalanx.engine.engine import Engine, GenerationParams
+from phalanx.server.access_log import current_usage
 from phalanx.server.chat_template import ChatTemplate, ChatTemplateError
 from phalanx.server.choices import Choice
 from phalanx.server.detokenizer import TextTokenizer
@@ -62,6 +63,9 @@ class ServerState:
         """One started generation per prompt and sample; if one is refused, those started are
         cancelled and the refusal stands for the whole request. ``opens_reasoning``: the prompt
         ends inside the model's reasoning (a constraint holds from its end on)."""
+        usage = current_usage()
+        if usage is not None:
+            usage.user = body.user  # the access log's line names the end user the request named
         slots = self.engine.stats().slots_total
         if body.n > slots:
             raise bad_request(

@@ -131,7 +131,7 @@ def test_the_printed_curl_line_uses_completions_without_a_chat_template(served: 
 def test_a_streamed_response_is_logged_once_it_has_streamed(served: tuple[Served, Path]) -> None:
     server, log_path = served
     before = len(_records(log_path, "request"))
-    body = {"prompt": [1, 2, 3], "max_tokens": 5, "ignore_eos": True, "stream": True}
+    body = {"prompt": [1, 2, 3], "max_tokens": 5, "ignore_eos": True, "stream": True, "user": "alice"}
     headers = {"Authorization": f"Bearer {KEY}"}
     with httpx.stream(
         "POST", server.url + "/v1/completions", json=body, headers=headers, timeout=60
@@ -141,6 +141,7 @@ def test_a_streamed_response_is_logged_once_it_has_streamed(served: tuple[Served
     (record,) = _new_records(log_path, "request", before, 1)
     assert (record["status"], record["prompt_tokens"], record["completion_tokens"]) == (200, 3, 5)
     assert 0 < record["ttft_ms"] <= record["total_ms"]
+    assert record["user"] == "alice"
 
 
 def test_load_writes_an_access_line_per_request_and_stats_lines_while_busy(
@@ -162,6 +163,7 @@ def test_load_writes_an_access_line_per_request_and_stats_lines_while_busy(
         assert (record["prompt_tokens"], record["completion_tokens"]) == (5, MAX_TOKENS)
         assert 0 < record["ttft_ms"] <= record["total_ms"] <= took_s * 1000 + 50
         assert record["level"] == "info" and record["rank"] == "coordinator"
+        assert "user" not in record  # the request named none
 
     stats = _records(log_path, "stats")
     assert stats, "no stats line while six requests ran"
