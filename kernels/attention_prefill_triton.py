@@ -2,7 +2,10 @@
 
 Same signature and semantics as ``kernels/attention.py`` ``paged_prefill_attention_ref``. Each
 chunk's queries attend to the positions before them in its sequence's KV pages (the cached prefix
-and the chunk itself, already written), one program per block of queries, chunk and head."""
+and the chunk itself, already written), one program per block of queries, chunk, head and split of
+the keys. A few query blocks over a long prefix (a prefix-cache hit's new tokens) would leave most
+of the GPU idle with one program per block: their keys are cut into splits, each split's fp32
+output and log-sum-exp merged after, as in flash-decoding."""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from phalanx.kernels.attention_triton import _DOT_F32, _check_cache, _load_kv_block
+from phalanx.kernels.attention_triton import _DOT_F32, _SMS, _check_cache, _load_kv_block, _split_size
 from phalanx.kernels.launch import FastLaunch, cdiv
 from phalanx.kernels.varlen import Varlen
 
@@ -24,6 +27,9 @@ def _prefill_kernel(
     cu_ptr,
     starts_ptr,
     o_ptr,
+    po_ptr,
+    plse_ptr,
+    H,
     stride_qt,
     stride_qh,
     stride_page,
@@ -38,9 +44,11 @@ def _prefill_kernel(
     PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SPLITS: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
-    mb = tl.program_id(0)
+    mb = tl.program_id(0) // SPLITS
+    sp = tl.program_id(0) % SPLITS
     i = tl.program_id(1)
     h = tl.program_id(2)
     kvh = h // GROUP
@@ -61,15 +69,18 @@ def _prefill_kernel(
         q = q.to(tl.float32)
     q_pos = start + rows
     kv_end = start + tl.minimum(length, (mb + 1) * BLOCK_M)
+    split_size = _split_size(kv_end, SPLITS, BLOCK_N)
+    kv_lo = sp * split_size
+    kv_hi = tl.minimum(kv_lo + split_size, kv_end)
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_sum = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, D), tl.float32)
     pt_row = pt_ptr + i * stride_ptb
     kc = kc_ptr + kvh * stride_kvh
     vc = vc_ptr + kvh * stride_kvh
-    for n0 in range(0, kv_end, BLOCK_N):
+    for n0 in range(kv_lo, kv_hi, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
-        pos_mask = pos < kv_end
+        pos_mask = pos < kv_hi
         k = _load_kv_block(kc, pt_row, pos, pos_mask, stride_page, stride_tok, d, PAGE=PAGE)
         v = _load_kv_block(vc, pt_row, pos, pos_mask, stride_page, stride_tok, d, PAGE=PAGE)
         if DOT_F32:
@@ -78,18 +89,59 @@ def _prefill_kernel(
         s = tl.dot(q, tl.trans(k)) * scale
         s = tl.where(pos_mask[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
+        # A split past a row's own position holds no key for it: its max stays -inf, and exp
+        # against 0 keeps its sum and output at 0 where exp(-inf - -inf) would be NaN.
+        m_use = tl.where(m_new > float("-inf"), m_new, 0.0)
+        alpha = tl.exp(m - m_use)
+        p = tl.exp(s - m_use[:, None])
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
-    out = acc / tl.where(l_sum > 0.0, l_sum, 1.0)[:, None]
-    o_ptrs = o_ptr + (bos + rows)[:, None] * stride_ot + h * stride_oh + d[None, :]
-    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=row_mask[:, None])
+    safe_l = tl.where(l_sum > 0.0, l_sum, 1.0)
+    out = acc / safe_l[:, None]
+    tokens = bos + rows
+    if SPLITS == 1:
+        o_ptrs = o_ptr + tokens[:, None] * stride_ot + h * stride_oh + d[None, :]
+        tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=row_mask[:, None])
+    else:
+        lse = tl.where(l_sum > 0.0, m + tl.log(safe_l), float("-inf"))
+        part = (tokens * H + h) * SPLITS + sp
+        tl.store(po_ptr + part[:, None] * D + d[None, :], out, mask=row_mask[:, None])
+        tl.store(plse_ptr + part, lse, mask=row_mask)
+
+
+@triton.jit
+def _merge_kernel(po_ptr, plse_ptr, o_ptr, H, stride_ot, stride_oh, D: tl.constexpr, SPLITS: tl.constexpr):
+    """One token and head: its splits' outputs weighted by their share of the softmax sum."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    d = tl.arange(0, D)
+    base = (t * H + h) * SPLITS
+    s = tl.arange(0, SPLITS)
+    lse = tl.load(plse_ptr + base + s)
+    m = tl.max(lse, axis=0)
+    held = lse > float("-inf")
+    w = tl.where(held, tl.exp(lse - m), 0.0)
+    parts = tl.load(po_ptr + (base + s)[:, None] * D + d[None, :], mask=held[:, None], other=0.0)
+    out = tl.sum(parts * w[:, None], axis=0) / tl.maximum(tl.sum(w, axis=0), 1e-30)
+    tl.store(o_ptr + t * stride_ot + h * stride_oh + d, out.to(o_ptr.dtype.element_ty))
 
 
 # Launched once per attention layer of every prefill: the cheaper launch path (kernels/launch.py).
 _prefill_launch = FastLaunch(_prefill_kernel)
+_merge_launch = FastLaunch(_merge_kernel)
+
+_MAX_SPLITS = 16
+_BLOCK_M = 64
+
+
+def prefill_splits(query_blocks: int, chunks: int, heads: int) -> int:
+    """Key splits per query block: enough programs to fill the GPU four times over, a power of two
+    up to 16. Taken from launch sizes only (never from a prefix's length, which lives on the
+    device), so a prefill graph's bucket and the same chunk run eagerly cut the keys alike."""
+    programs = max(query_blocks * chunks * heads, 1)
+    want = max(4 * _SMS // programs, 1)
+    return min(1 << (want.bit_length() - 1), _MAX_SPLITS)
 
 
 def paged_prefill_attention_triton(
@@ -101,9 +153,13 @@ def paged_prefill_attention_triton(
     starts: torch.Tensor,
     scale: float,
     varlen: Varlen | None = None,
+    splits: int | None = None,
 ) -> torch.Tensor:
+    """``splits`` (a power of two) overrides the key splits ``prefill_splits`` would choose."""
     tokens, heads, dim = q.shape
     _check_cache(k_cache, v_cache, dim)
+    if splits is not None and (splits < 1 or splits & (splits - 1)):
+        raise ValueError(f"prefill attention splits must be a power of two, got {splits}")
     page_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -111,13 +167,20 @@ def paged_prefill_attention_triton(
     n_chunks = cu_seqlens.shape[0] - 1
     if tokens == 0 or n_chunks == 0:
         return out
-    # Without varlen the longest chunk is read on the host: prefill is never graph-captured.
+    # Without varlen the longest chunk is read on the host (an eager pass; a graph passes varlen).
     longest = varlen.longest if varlen is not None else int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-    block_m, block_n = 64, 32
+    query_blocks = cdiv(longest, _BLOCK_M)
+    if splits is None:
+        splits = prefill_splits(query_blocks, n_chunks, heads)
+    part_o, part_lse = out, out  # unused pointers without splits
+    if splits > 1:
+        # Padding rows past the last chunk are never written: -inf makes the merge give them 0.
+        part_lse = torch.full((tokens, heads, splits), float("-inf"), dtype=torch.float32, device=q.device)
+        part_o = torch.empty((tokens, heads, splits, dim), dtype=torch.float32, device=q.device)
     device = q.device
     page_tables = page_tables.to(device)
     _prefill_launch(
-        (cdiv(longest, block_m), n_chunks, heads),
+        (query_blocks * splits, n_chunks, heads),
         q,
         k_cache,
         v_cache,
@@ -125,6 +188,9 @@ def paged_prefill_attention_triton(
         cu_seqlens.to(device=device, dtype=torch.int32),
         starts.to(device=device, dtype=torch.int32),
         out,
+        part_o,
+        part_lse,
+        heads,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -137,10 +203,24 @@ def paged_prefill_attention_triton(
         heads // kv_heads,
         dim,
         page_size,
-        block_m,
-        block_n,
+        _BLOCK_M,
+        32,
+        splits,
         _DOT_F32,
         num_warps=8,
         num_stages=2,
     )
+    if splits > 1:
+        _merge_launch(
+            (tokens, heads),
+            part_o,
+            part_lse,
+            out,
+            heads,
+            out.stride(0),
+            out.stride(1),
+            dim,
+            splits,
+            num_warps=4,
+        )
     return out

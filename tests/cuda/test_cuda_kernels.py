@@ -204,13 +204,23 @@ def test_decode_attention_reads_the_newest_token_after_the_kv_write_under_pdl() 
         assert rel(out, ref) <= OUT_TOL, "decode attention read the newest token before it was written"
 
 
-def test_paged_prefill_attention() -> None:
+# Mixed: three chunks at different starts; hit: a prefix-cache hit's 128 new tokens after 4,096
+# cached, the few query blocks whose keys are split.
+PREFILL_CASES = {"mixed": ([300, 1, 130], [0, 700, 1000]), "hit": ([128], [4096])}
+
+
+@pytest.mark.parametrize("case", sorted(PREFILL_CASES))
+@pytest.mark.parametrize("splits", (None, 1, 16))
+def test_paged_prefill_attention(case: str, splits: int | None) -> None:
     from phalanx.kernels.attention import paged_prefill_attention_ref
     from phalanx.kernels.attention_prefill_triton import paged_prefill_attention_triton
 
-    k_cache, v_cache = rand(64, PAGE, KV_HEADS, HEAD_DIM), rand(64, PAGE, KV_HEADS, HEAD_DIM)
-    tables = torch.randperm(64, device=DEV)[:60].view(3, 20).to(torch.int32)
-    lens, starts = [300, 1, 130], [0, 700, 1000]
+    lens, starts = PREFILL_CASES[case]
+    pages_per_chunk = 70
+    k_cache, v_cache = rand(256, PAGE, KV_HEADS, HEAD_DIM), rand(256, PAGE, KV_HEADS, HEAD_DIM)
+    tables = (
+        torch.randperm(256, device=DEV)[: len(lens) * pages_per_chunk].view(len(lens), -1).to(torch.int32)
+    )
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
     q = rand(sum(lens), HEADS, HEAD_DIM)
     args = (
@@ -222,7 +232,8 @@ def test_paged_prefill_attention() -> None:
         torch.tensor(starts, dtype=torch.int32, device=DEV),
         HEAD_DIM**-0.5,
     )
-    assert rel(paged_prefill_attention_triton(*args), paged_prefill_attention_ref(*args)) <= OUT_TOL
+    out = paged_prefill_attention_triton(*args, splits=splits)
+    assert rel(out, paged_prefill_attention_ref(*args)) <= OUT_TOL
 
 
 def test_conv1d_decode_and_prefill() -> None:

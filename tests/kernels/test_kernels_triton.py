@@ -161,13 +161,22 @@ def check_paged_prefill_attention() -> dict[str, float]:
     from phalanx.kernels.attention import paged_prefill_attention_ref
     from phalanx.kernels.attention_prefill_triton import paged_prefill_attention_triton
 
-    k_cache, v_cache = _paged_kv(40, 4, 2, 32)
-    page_tables = torch.randperm(40)[:36].view(2, 18).to(torch.int32)
-    cu = torch.tensor([0, 70, 73], dtype=torch.int32)  # 70 tokens: two query blocks of 64
-    starts = torch.tensor([0, 5], dtype=torch.int32)
-    q = _rand(73, 4, 32)
+    k_cache, v_cache = _paged_kv(60, 4, 2, 32)
+    page_tables = torch.randperm(60)[:54].view(3, 18).to(torch.int32)
+    # 70 tokens: two query blocks of 64; then a chunk after a short prefix, and a chunk of a hit
+    # (10 new tokens after 60 cached); 4 padding rows past the last chunk, as a graph bucket has.
+    cu = torch.tensor([0, 70, 73, 83], dtype=torch.int32)
+    starts = torch.tensor([0, 5, 60], dtype=torch.int32)
+    q = _rand(87, 4, 32)
     args = (q, k_cache, v_cache, page_tables, cu, starts, 32**-0.5)
-    return {"y": _rel(paged_prefill_attention_triton(*args), paged_prefill_attention_ref(*args))}
+    ref = paged_prefill_attention_ref(*args)[:83]
+    errors = {}
+    for splits in (None, 1, 2, 4, 16):  # None: the chosen count, 16 for these few programs
+        out = paged_prefill_attention_triton(*args, splits=splits)
+        errors[f"y_splits_{splits or 'auto'}"] = _rel(out[:83], ref)
+        if splits != 1:
+            errors[f"padding_not_zero_{splits or 'auto'}"] = float(bool(out[83:].any()))
+    return errors
 
 
 def check_conv1d_decode() -> dict[str, float]:
@@ -340,6 +349,7 @@ TOLERANCE = {
     "exact_bucket_vs_batch": 0.0,
     "rows_differ": 0.0,
     "outside_not_zero": 0.0,
+    **{f"padding_not_zero_{splits}": 0.0 for splits in ("auto", 2, 4, 16)},
     "long_repeat_differs": 0.0,
     "state": 1e-3,
     "g": 1e-5,
@@ -371,6 +381,43 @@ def test_decode_attention_refuses_split_counts_the_merge_cannot_hold(splits: int
     table, lens = torch.zeros(1, 1, dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
     with pytest.raises(ValueError, match=f"decode attention splits must be 1 to 64, got {splits}"):
         decode_attention_with_splits(q, k_cache, v_cache, table, lens, 32**-0.5, splits)
+
+
+@pytest.mark.parametrize("splits", (0, 3))
+def test_prefill_attention_refuses_a_split_count_not_a_power_of_two(splits: int) -> None:
+    from phalanx.kernels.attention_prefill_triton import paged_prefill_attention_triton
+
+    k_cache, v_cache = _paged_kv(4, 4, 2, 32)
+    cu, starts = torch.tensor([0, 3], dtype=torch.int32), torch.tensor([0], dtype=torch.int32)
+    with pytest.raises(ValueError, match=f"prefill attention splits must be a power of two, got {splits}"):
+        paged_prefill_attention_triton(
+            _rand(3, 8, 32),
+            k_cache,
+            v_cache,
+            torch.zeros(1, 1, dtype=torch.int32),
+            cu,
+            starts,
+            1.0,
+            splits=splits,
+        )
+
+
+@pytest.mark.parametrize(
+    ("query_blocks", "chunks", "heads", "splits"),
+    [
+        (2, 1, 16, 16),  # a prefix hit's 128 new tokens at the 4B geometry: 32 programs alone
+        (8, 1, 16, 4),  # a fresh 512-token prompt
+        (64, 1, 16, 1),  # a 4,096-token prompt fills the GPU by itself
+        (8, 16, 16, 1),  # sixteen 512-token prompts in one pass
+        (1, 1, 1, 16),  # never more than 16
+    ],
+)
+def test_prefill_splits_fill_the_gpu_from_launch_sizes(
+    query_blocks: int, chunks: int, heads: int, splits: int
+) -> None:
+    from phalanx.kernels.attention_prefill_triton import prefill_splits
+
+    assert prefill_splits(query_blocks, chunks, heads) == splits
 
 
 if __name__ == "__main__":
