@@ -234,8 +234,11 @@ class StepRunner:
             return PendingPrefill([], None, prompt_logprobs, rejections(plans))
         final_ids = [plans[i].chunk.request_id for i in final]
         allowed = self._constrained(final_ids)
+        # A slice, not a list index, where every chunk ends: indexing by a list copies it to the
+        # device, which waits for the pass before the sampling's launches are queued behind it
+        logits = output.logits if len(final) == len(plans) else output.logits[final]
         drawn = draw_tokens(
-            output.logits[final],
+            logits,
             [plans[i].chunk.sampling for i in final],
             [plans[i].state.cached for i in final],
             allowed=allowed,

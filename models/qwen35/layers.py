@@ -161,14 +161,17 @@ class GatedDeltaNet:
     def conv_dim(self) -> int:
         return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
 
-    def allocate(self, num_slots: int) -> None:
-        device = self.out_weight.device
-        self.recurrent_state = torch.zeros(
-            num_slots, self.value_heads, self.key_dim, self.value_dim, dtype=torch.float32, device=device
+    def state_shapes(self, num_slots: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(recurrent, conv) state shapes for ``num_slots`` slots; recurrent fp32, conv the weights'."""
+        return (
+            (num_slots, self.value_heads, self.key_dim, self.value_dim),
+            (num_slots, self.conv_dim, self.kernel - 1),
         )
-        self.conv_state = torch.zeros(
-            num_slots, self.conv_dim, self.kernel - 1, dtype=self.out_weight.dtype, device=device
-        )
+
+    def allocate(self, recurrent_state: torch.Tensor, conv_state: torch.Tensor) -> None:
+        """Take this layer's state slots: views into the model's pools of every layer's states."""
+        self.recurrent_state = recurrent_state
+        self.conv_state = conv_state
         self.decode_step = BoundGdnDecodeStep(
             self.conv_weight,
             self.conv_state,

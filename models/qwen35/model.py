@@ -56,6 +56,10 @@ class Qwen35Model:
         )
         self.page_size = 0
         self.num_state_slots = 0
+        # Every linear layer's states in one tensor each, [layer, slot, ...]: a slot's states over all
+        # layers move in one copy (a prefix hit's restore is on its time to first token)
+        self._recurrent_states: torch.Tensor | None = None
+        self._conv_states: torch.Tensor | None = None
         self.weight_bytes = sum(t.numel() * t.element_size() for t in weights.values())
 
     @classmethod
@@ -122,8 +126,15 @@ class Qwen35Model:
             )
         for attention in self._attention_layers:
             attention.allocate(num_pages_total, page_size, self.cos_sin)
-        for gdn in self._linear_layers:
-            gdn.allocate(num_state_slots)
+        linear = self._linear_layers
+        if linear:
+            recurrent_shape, conv_shape = linear[0].state_shapes(num_state_slots)
+            self._recurrent_states = torch.zeros(
+                (len(linear), *recurrent_shape), dtype=torch.float32, device=self.device
+            )
+            self._conv_states = torch.zeros((len(linear), *conv_shape), dtype=self.dtype, device=self.device)
+            for index, gdn in enumerate(linear):
+                gdn.allocate(self._recurrent_states[index], self._conv_states[index])
         self.page_size = page_size
         self.num_state_slots = num_state_slots
 
@@ -133,6 +144,7 @@ class Qwen35Model:
             attention.release()
         for gdn in self._linear_layers:
             gdn.release()
+        self._recurrent_states = self._conv_states = None
         self.page_size = 0
         self.num_state_slots = 0
 
@@ -142,13 +154,9 @@ class Qwen35Model:
         for slot in (src_slot, dst_slot):
             if not 0 <= slot < self.num_state_slots:
                 raise IndexError(f"rank {self.rank}: state slot {slot} outside [0, {self.num_state_slots})")
-        # a multi-tensor copy per kind of state (one dtype each, as its fast path wants) rather than
-        # two launches a layer: a prefix hit's restore and save are on its time to first token
-        for states in (
-            [gdn.recurrent_state for gdn in self._linear_layers],
-            [gdn.conv_state for gdn in self._linear_layers],
-        ):
-            torch._foreach_copy_([state[dst_slot] for state in states], [state[src_slot] for state in states])
+        if self._recurrent_states is not None and self._conv_states is not None:
+            self._recurrent_states[:, dst_slot] = self._recurrent_states[:, src_slot]
+            self._conv_states[:, dst_slot] = self._conv_states[:, src_slot]
 
     def _require_cache(self, phase: str) -> None:
         if self.page_size == 0:

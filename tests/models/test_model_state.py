@@ -43,6 +43,7 @@ def test_copy_state_and_padded_page_tables(model: Qwen35Model) -> None:
     for gdn in (layer.linear_attention for layer in model.layers if layer.linear_attention):
         assert torch.equal(gdn.recurrent_state[3], gdn.recurrent_state[0])
         assert torch.equal(gdn.conv_state[3], gdn.conv_state[0])
+        assert not gdn.recurrent_state[1].any() and not gdn.conv_state[1].any()  # only slot 3 written
     # Both slots continue identically; the second row's table is padded to 9 pages.
     rows = [(7, len(prompt), 0, [1, 2, 3, 4, 5]), (7, len(prompt), 3, [1, 2, 3, 4, 5])]
     logits = model.decode(DecodeBatch.build(rows, max_pages=9))
