@@ -131,8 +131,10 @@ def _merge_kernel(po_ptr, plse_ptr, o_ptr, H, stride_ot, stride_oh, D: tl.conste
 _prefill_launch = FastLaunch(_prefill_kernel)
 _merge_launch = FastLaunch(_merge_kernel)
 
+# 16 splits bring a prefix hit's 32 programs (two query blocks, 16 heads at the 4B geometry) past the
+# H200's 132 SMs; more would only add partials to merge (docs/benchmarks/kernel-choices-h200.md)
 _MAX_SPLITS = 16
-_BLOCK_M = 64
+_BLOCK_M = 64  # queries per program
 
 
 def prefill_splits(query_blocks: int, chunks: int, heads: int) -> int:
