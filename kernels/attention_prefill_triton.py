@@ -19,6 +19,35 @@ from phalanx.kernels.varlen import Varlen
 
 
 @triton.jit
+def _attend_keys(
+    q, kc, vc, pt_row, pos, bound, q_pos, stride_page, stride_tok, d, qk_scale, m, l_sum, acc,
+    PAGE: tl.constexpr, CAUSAL: tl.constexpr, DOT_F32: tl.constexpr,
+):  # fmt: skip
+    """Keys ``pos`` (those below ``bound``) into the online softmax, in log2 units; ``CAUSAL`` also
+    hides each key from the queries before it."""
+    pos_mask = pos < bound
+    k = _load_kv_block(kc, pt_row, pos, pos_mask, stride_page, stride_tok, d, PAGE=PAGE)
+    v = _load_kv_block(vc, pt_row, pos, pos_mask, stride_page, stride_tok, d, PAGE=PAGE)
+    if DOT_F32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    s = tl.dot(q, tl.trans(k)) * qk_scale
+    if CAUSAL:
+        s = tl.where(pos_mask[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+    else:
+        s = tl.where(pos_mask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    # A split past a row's own position holds no key for it: its max stays -inf, and exp2
+    # against 0 keeps its sum and output at 0 where exp2(-inf - -inf) would be NaN.
+    m_use = tl.where(m_new > float("-inf"), m_new, 0.0)
+    alpha = tl.exp2(m - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_sum = l_sum * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_sum, acc
+
+
+@triton.jit
 def _prefill_kernel(
     q_ptr,
     kc_ptr,
@@ -72,31 +101,25 @@ def _prefill_kernel(
     split_size = _split_size(kv_end, SPLITS, BLOCK_N)
     kv_lo = sp * split_size
     kv_hi = tl.minimum(kv_lo + split_size, kv_end)
+    # Keys before the block's first query are seen by every row: that loop needs no causal mask.
+    seen_by_all = tl.maximum(tl.minimum(kv_hi, start + mb * BLOCK_M), kv_lo)
+    qk_scale = scale * 1.4426950408889634  # scores in log2 units: exp2 is the cheaper instruction
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_sum = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, D), tl.float32)
     pt_row = pt_ptr + i * stride_ptb
     kc = kc_ptr + kvh * stride_kvh
     vc = vc_ptr + kvh * stride_kvh
-    for n0 in range(kv_lo, kv_hi, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        pos_mask = pos < kv_hi
-        k = _load_kv_block(kc, pt_row, pos, pos_mask, stride_page, stride_tok, d, PAGE=PAGE)
-        v = _load_kv_block(vc, pt_row, pos, pos_mask, stride_page, stride_tok, d, PAGE=PAGE)
-        if DOT_F32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k)) * scale
-        s = tl.where(pos_mask[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        # A split past a row's own position holds no key for it: its max stays -inf, and exp
-        # against 0 keeps its sum and output at 0 where exp(-inf - -inf) would be NaN.
-        m_use = tl.where(m_new > float("-inf"), m_new, 0.0)
-        alpha = tl.exp(m - m_use)
-        p = tl.exp(s - m_use[:, None])
-        l_sum = l_sum * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
+    for n0 in range(kv_lo, seen_by_all, BLOCK_N):
+        m, l_sum, acc = _attend_keys(
+            q, kc, vc, pt_row, n0 + tl.arange(0, BLOCK_N), seen_by_all, q_pos, stride_page, stride_tok,
+            d, qk_scale, m, l_sum, acc, PAGE=PAGE, CAUSAL=False, DOT_F32=DOT_F32,
+        )  # fmt: skip
+    for n0 in range(seen_by_all, kv_hi, BLOCK_N):
+        m, l_sum, acc = _attend_keys(
+            q, kc, vc, pt_row, n0 + tl.arange(0, BLOCK_N), kv_hi, q_pos, stride_page, stride_tok,
+            d, qk_scale, m, l_sum, acc, PAGE=PAGE, CAUSAL=True, DOT_F32=DOT_F32,
+        )  # fmt: skip
     safe_l = tl.where(l_sum > 0.0, l_sum, 1.0)
     out = acc / safe_l[:, None]
     tokens = bos + rows
@@ -104,7 +127,7 @@ def _prefill_kernel(
         o_ptrs = o_ptr + tokens[:, None] * stride_ot + h * stride_oh + d[None, :]
         tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=row_mask[:, None])
     else:
-        lse = tl.where(l_sum > 0.0, m + tl.log(safe_l), float("-inf"))
+        lse = tl.where(l_sum > 0.0, (m + tl.log2(safe_l)) * 0.6931471805599453, float("-inf"))  # natural log
         part = (tokens * H + h) * SPLITS + sp
         tl.store(po_ptr + part[:, None] * D + d[None, :], out, mask=row_mask[:, None])
         tl.store(plse_ptr + part, lse, mask=row_mask)
@@ -131,17 +154,23 @@ def _merge_kernel(po_ptr, plse_ptr, o_ptr, H, stride_ot, stride_oh, D: tl.conste
 _prefill_launch = FastLaunch(_prefill_kernel)
 _merge_launch = FastLaunch(_merge_kernel)
 
-# 16 splits bring a prefix hit's 32 programs (two query blocks, 16 heads at the 4B geometry) past the
+# 16 splits bring a prefix hit's 16 programs (one query block, 16 heads at the 4B geometry) past the
 # H200's 132 SMs; more would only add partials to merge (docs/benchmarks/kernel-choices-h200.md)
 _MAX_SPLITS = 16
-_BLOCK_M = 64  # queries per program
+# A program's tile: 128 queries by 64 keys on 8 warps, 2.6x the throughput of 64 by 32 at 4,096
+# tokens on the H200; a split launch takes one more pipeline stage (kernel-choices-h200.md).
+_BLOCK_M = 128
+_BLOCK_N = 64
+_WARPS = 8
 
 
-def prefill_splits(query_blocks: int, chunks: int, heads: int) -> int:
+def prefill_splits(tokens: int, heads: int) -> int:
     """Key splits per query block: enough programs to fill the GPU four times over, a power of two
-    up to 16. Taken from launch sizes only (never from a prefix's length, which lives on the
-    device), so a prefill graph's bucket and the same chunk run eagerly cut the keys alike."""
-    programs = max(query_blocks * chunks * heads, 1)
+    up to 16. The batch's query blocks are counted as if its ``tokens`` made one chunk (padding
+    chunks and short chunks hold little work). Taken from launch sizes only (never from a prefix's
+    length, which lives on the device), so a prefill graph's bucket and the same padded batch run
+    eagerly cut the keys alike."""
+    programs = max(cdiv(tokens, _BLOCK_M) * heads, 1)
     want = max(4 * _SMS // programs, 1)
     return min(1 << (want.bit_length() - 1), _MAX_SPLITS)
 
@@ -173,7 +202,7 @@ def paged_prefill_attention_triton(
     longest = varlen.longest if varlen is not None else int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
     query_blocks = cdiv(longest, _BLOCK_M)
     if splits is None:
-        splits = prefill_splits(query_blocks, n_chunks, heads)
+        splits = prefill_splits(tokens, heads)
     part_o, part_lse = out, out  # unused pointers without splits
     if splits > 1:
         # Padding rows past the last chunk are never written: -inf makes the merge give them 0.
@@ -206,11 +235,11 @@ def paged_prefill_attention_triton(
         dim,
         page_size,
         _BLOCK_M,
-        32,
+        _BLOCK_N,
         splits,
         _DOT_F32,
-        num_warps=8,
-        num_stages=2,
+        num_warps=_WARPS,
+        num_stages=2 if splits == 1 else 3,
     )
     if splits > 1:
         _merge_launch(

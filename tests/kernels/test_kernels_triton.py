@@ -161,21 +161,21 @@ def check_paged_prefill_attention() -> dict[str, float]:
     from phalanx.kernels.attention import paged_prefill_attention_ref
     from phalanx.kernels.attention_prefill_triton import paged_prefill_attention_triton
 
-    k_cache, v_cache = _paged_kv(60, 4, 2, 32)
-    page_tables = torch.randperm(60)[:54].view(3, 18).to(torch.int32)
-    # 70 tokens: two query blocks of 64; then a chunk after a short prefix, and a chunk of a hit
+    k_cache, v_cache = _paged_kv(110, 4, 2, 32)
+    page_tables = torch.randperm(110)[:108].view(3, 36).to(torch.int32)
+    # 140 tokens: two query blocks of 128; then a chunk after a short prefix, and a chunk of a hit
     # (10 new tokens after 60 cached); 4 padding rows past the last chunk, as a graph bucket has.
-    cu = torch.tensor([0, 70, 73, 83], dtype=torch.int32)
+    cu = torch.tensor([0, 140, 143, 153], dtype=torch.int32)
     starts = torch.tensor([0, 5, 60], dtype=torch.int32)
-    q = _rand(87, 4, 32)
+    q = _rand(157, 4, 32)
     args = (q, k_cache, v_cache, page_tables, cu, starts, 32**-0.5)
-    ref = paged_prefill_attention_ref(*args)[:83]
+    ref = paged_prefill_attention_ref(*args)[:153]
     errors = {}
     for splits in (None, 1, 2, 4, 16):  # None: the chosen count, 16 for these few programs
         out = paged_prefill_attention_triton(*args, splits=splits)
-        errors[f"y_splits_{splits or 'auto'}"] = _rel(out[:83], ref)
+        errors[f"y_splits_{splits or 'auto'}"] = _rel(out[:153], ref)
         if splits != 1:
-            errors[f"padding_not_zero_{splits or 'auto'}"] = float(bool(out[83:].any()))
+            errors[f"padding_not_zero_{splits or 'auto'}"] = float(bool(out[153:].any()))
     return errors
 
 
@@ -403,21 +403,20 @@ def test_prefill_attention_refuses_a_split_count_not_a_power_of_two(splits: int)
 
 
 @pytest.mark.parametrize(
-    ("query_blocks", "chunks", "heads", "splits"),
+    ("tokens", "heads", "splits"),
     [
-        (2, 1, 16, 16),  # a prefix hit's 128 new tokens at the 4B geometry: 32 programs alone
-        (8, 1, 16, 4),  # a fresh 512-token prompt
-        (64, 1, 16, 1),  # a 4,096-token prompt fills the GPU by itself
-        (8, 16, 16, 1),  # sixteen 512-token prompts in one pass
-        (1, 1, 1, 16),  # never more than 16
+        (128, 16, 16),  # a prefix hit's 128 new tokens at the 4B geometry: 16 programs alone
+        (192, 16, 16),  # the same hit in its prefill graph, beside a 64-token padding chunk
+        (512, 16, 8),  # a fresh 512-token prompt
+        (4096, 16, 1),  # a 4,096-token prompt fills the GPU by itself
+        (16 * 512, 16, 1),  # sixteen 512-token prompts in one pass
+        (1, 1, 16),  # never more than 16
     ],
 )
-def test_prefill_splits_fill_the_gpu_from_launch_sizes(
-    query_blocks: int, chunks: int, heads: int, splits: int
-) -> None:
+def test_prefill_splits_fill_the_gpu_from_launch_sizes(tokens: int, heads: int, splits: int) -> None:
     from phalanx.kernels.attention_prefill_triton import prefill_splits
 
-    assert prefill_splits(query_blocks, chunks, heads) == splits
+    assert prefill_splits(tokens, heads) == splits
 
 
 if __name__ == "__main__":
