@@ -161,14 +161,13 @@ class Engine:
     def submit(self, prompt_ids: list[int], params: GenerationParams | None = None) -> RequestStream:
         """Queue a request; ``max_tokens`` 0 scores the prompt alone (``engine.prompt_only``)."""
         params = params or GenerationParams()
-        self._validate(prompt_ids, params)
+        prompt = self._validate(prompt_ids, params)
         with self._lock:
             if self._closed_reason is not None:
                 raise RuntimeError(self._closed_reason)
             request_id = self._ids.next()
             stream = RequestStream(request_id, self.cancel, self._forget)
             self._open[request_id] = stream
-            prompt = list(prompt_ids) if _plain_ints(prompt_ids) else [int(t) for t in prompt_ids]
             run, emit = prompt_only(params, stream.push) if params.max_tokens == 0 else (params, stream.push)
             self._inbox.put(Request(request_id, prompt, run, emit, self.model_info.eos_token_ids))
         return stream
@@ -221,11 +220,12 @@ class Engine:
 
     # -- validation -------------------------------------------------------------------------
 
-    def _validate(self, prompt_ids: list[int], params: GenerationParams) -> None:
+    def _validate(self, prompt_ids: list[int], params: GenerationParams) -> list[int]:
+        """The prompt as a new list of plain ints, once it and ``params`` are found valid."""
         if not prompt_ids:
             raise ValueError("prompt is empty: at least one token is needed")
         vocab = self.model_info.vocab_size
-        _check_prompt_ids(prompt_ids, vocab)
+        prompt = _checked_prompt_ids(prompt_ids, vocab)
         params.validate(vocab, least_max_tokens=0)
         context = self.model_info.max_context
         if len(prompt_ids) >= context:
@@ -238,6 +238,7 @@ class Engine:
                 f"prompt of {len(prompt_ids)} tokens plus max_tokens {params.max_tokens} exceeds the "
                 f"context of {context} tokens"
             )
+        return prompt
 
     # -- scheduler thread -------------------------------------------------------------------
 
@@ -314,14 +315,15 @@ def _plain_ints(values: list[int]) -> bool:
     return all(type(value) is int for value in values)
 
 
-def _check_prompt_ids(prompt_ids: list[int], vocab: int) -> None:
-    """Every id an integer in ``[0, vocab)``. Plain ints are checked by their range alone: the
-    per-token check below costs milliseconds on a prompt of thousands of tokens, in every
-    request's time to first token."""
+def _checked_prompt_ids(prompt_ids: list[int], vocab: int) -> list[int]:
+    """A copy of the ids as plain ints, each checked to lie in ``[0, vocab)``. Plain ints are
+    checked by their range alone: the per-token check below costs milliseconds on a prompt of
+    thousands of tokens, in every request's time to first token."""
     if _plain_ints(prompt_ids) and min(prompt_ids) >= 0 and max(prompt_ids) < vocab:
-        return
+        return list(prompt_ids)
     for index, token in enumerate(prompt_ids):
         if isinstance(token, bool) or not isinstance(token, numbers.Integral) or not 0 <= token < vocab:
             raise ValueError(
                 f"prompt token {token!r} at index {index} is outside the vocabulary [0, {vocab})"
             )
+    return [int(token) for token in prompt_ids]
