@@ -47,7 +47,10 @@ def _attend_keys(
     return m_new, l_sum, acc
 
 
-@triton.jit
+# ``splits`` and the page table's row stride (an eager batch's widest table) are runtime values, not
+# specialised: one binary per ``SPLIT`` serves every batch, where a binary per split count and
+# stride class compiled in the middle of serving, stalling every request for seconds.
+@triton.jit(do_not_specialize=["stride_ptb", "splits"])
 def _prefill_kernel(
     q_ptr,
     kc_ptr,
@@ -68,16 +71,17 @@ def _prefill_kernel(
     stride_ot,
     stride_oh,
     scale,
+    splits,
     GROUP: tl.constexpr,
     D: tl.constexpr,
     PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
-    mb = tl.program_id(0) // SPLITS
-    sp = tl.program_id(0) % SPLITS
+    mb = tl.program_id(0) // splits
+    sp = tl.program_id(0) % splits
     i = tl.program_id(1)
     h = tl.program_id(2)
     kvh = h // GROUP
@@ -98,7 +102,7 @@ def _prefill_kernel(
         q = q.to(tl.float32)
     q_pos = start + rows
     kv_end = start + tl.minimum(length, (mb + 1) * BLOCK_M)
-    split_size = _split_size(kv_end, SPLITS, BLOCK_N)
+    split_size = _split_size(kv_end, splits, BLOCK_N)
     kv_lo = sp * split_size
     kv_hi = tl.minimum(kv_lo + split_size, kv_end)
     # Keys before the block's first query are seen by every row: that loop needs no causal mask.
@@ -123,25 +127,27 @@ def _prefill_kernel(
     safe_l = tl.where(l_sum > 0.0, l_sum, 1.0)
     out = acc / safe_l[:, None]
     tokens = bos + rows
-    if SPLITS == 1:
+    if not SPLIT:
         o_ptrs = o_ptr + tokens[:, None] * stride_ot + h * stride_oh + d[None, :]
         tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=row_mask[:, None])
     else:
         lse = tl.where(l_sum > 0.0, (m + tl.log2(safe_l)) * 0.6931471805599453, float("-inf"))  # natural log
-        part = (tokens * H + h) * SPLITS + sp
+        part = (tokens * H + h) * splits + sp
         tl.store(po_ptr + part[:, None] * D + d[None, :], out, mask=row_mask[:, None])
         tl.store(plse_ptr + part, lse, mask=row_mask)
 
 
-@triton.jit
-def _merge_kernel(po_ptr, plse_ptr, o_ptr, H, stride_ot, stride_oh, D: tl.constexpr, SPLITS: tl.constexpr):
+@triton.jit(do_not_specialize=["splits"])
+def _merge_kernel(
+    po_ptr, plse_ptr, o_ptr, H, stride_ot, stride_oh, splits, D: tl.constexpr, SPLIT_TILE: tl.constexpr,
+):  # fmt: skip
     """One token and head: its splits' outputs weighted by their share of the softmax sum."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     d = tl.arange(0, D)
-    base = (t * H + h) * SPLITS
-    s = tl.arange(0, SPLITS)
-    lse = tl.load(plse_ptr + base + s)
+    base = (t * H + h) * splits
+    s = tl.arange(0, SPLIT_TILE)  # splits past the count masked off
+    lse = tl.load(plse_ptr + base + s, mask=s < splits, other=float("-inf"))
     m = tl.max(lse, axis=0)
     held = lse > float("-inf")
     w = tl.where(held, tl.exp(lse - m), 0.0)
@@ -189,8 +195,8 @@ def paged_prefill_attention_triton(
     """``splits`` (a power of two) overrides the key splits ``prefill_splits`` would choose."""
     tokens, heads, dim = q.shape
     _check_cache(k_cache, v_cache, dim)
-    if splits is not None and (splits < 1 or splits & (splits - 1)):
-        raise ValueError(f"prefill attention splits must be a power of two, got {splits}")
+    if splits is not None and (splits < 1 or splits & (splits - 1) or splits > _MAX_SPLITS):
+        raise ValueError(f"prefill attention splits must be a power of two up to {_MAX_SPLITS}, got {splits}")
     page_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -231,12 +237,13 @@ def paged_prefill_attention_triton(
         out.stride(0),
         out.stride(1),
         scale,
+        splits,
         heads // kv_heads,
         dim,
         page_size,
         _BLOCK_M,
         _BLOCK_N,
-        splits,
+        splits > 1,
         _DOT_F32,
         num_warps=_WARPS,
         num_stages=2 if splits == 1 else 3,
@@ -250,8 +257,9 @@ def paged_prefill_attention_triton(
             heads,
             out.stride(0),
             out.stride(1),
-            dim,
             splits,
+            dim,
+            _MAX_SPLITS,
             num_warps=4,
         )
     return out

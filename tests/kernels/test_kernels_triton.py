@@ -383,13 +383,15 @@ def test_decode_attention_refuses_split_counts_the_merge_cannot_hold(splits: int
         decode_attention_with_splits(q, k_cache, v_cache, table, lens, 32**-0.5, splits)
 
 
-@pytest.mark.parametrize("splits", (0, 3))
-def test_prefill_attention_refuses_a_split_count_not_a_power_of_two(splits: int) -> None:
+@pytest.mark.parametrize("splits", (0, 3, 32))
+def test_prefill_attention_refuses_a_split_count_not_a_power_of_two_up_to_16(splits: int) -> None:
     from phalanx.kernels.attention_prefill_triton import paged_prefill_attention_triton
 
     k_cache, v_cache = _paged_kv(4, 4, 2, 32)
     cu, starts = torch.tensor([0, 3], dtype=torch.int32), torch.tensor([0], dtype=torch.int32)
-    with pytest.raises(ValueError, match=f"prefill attention splits must be a power of two, got {splits}"):
+    with pytest.raises(
+        ValueError, match=f"prefill attention splits must be a power of two up to 16, got {splits}"
+    ):
         paged_prefill_attention_triton(
             _rand(3, 8, 32),
             k_cache,
@@ -406,7 +408,7 @@ def test_prefill_attention_refuses_a_split_count_not_a_power_of_two(splits: int)
     ("tokens", "heads", "splits"),
     [
         (128, 16, 16),  # a prefix hit's 128 new tokens at the 4B geometry: 16 programs alone
-        (192, 16, 16),  # the same hit in its prefill graph, beside a 64-token padding chunk
+        (256, 16, 16),  # a hit's 200 new tokens in its prefill graph, beside a 56-token padding chunk
         (512, 16, 8),  # a fresh 512-token prompt
         (4096, 16, 1),  # a 4,096-token prompt fills the GPU by itself
         (16 * 512, 16, 1),  # sixteen 512-token prompts in one pass
