@@ -2,13 +2,15 @@
 
 Such a pass is bound by its host launches (~800 kernels for a few ms of GPU work,
 docs/benchmarks/prefill-h200.md); replayed from a graph it costs the GPU's time only. A chunk of
-L tokens runs in the graph of the smallest bucket T >= L: its batch is the chunk and a padding
-chunk of S - L tokens (S = T + 64), which starts fresh in the reserved padding state slot and
-writes its K/V to the padding page, so every kernel sees an ordinary two-chunk batch and none
-needs to know about the padding. What a graph's shapes depend on is fixed per graph (``GraphKey``):
-the token count S, fla-core's chunk count (one more when L is not a multiple of 64) and the number
-of state captures (0 or 1). The inputs live in one int64 buffer that the graph reads, cut into the
-batch's views and cast by the graph's own first ops, and filled by one copy before each replay.
+L tokens runs in the graph of the smallest bucket T >= L. A chunk of exactly T tokens is the batch
+alone; a shorter one sits beside a padding chunk of T - L tokens, which starts fresh in the
+reserved padding state slot and writes its K/V to the padding page, so every kernel sees an
+ordinary batch of T tokens and none needs to know about the padding (no padding chunk of its own
+for a full bucket: at 128 + 64 rows cuBLAS took 1.2 ms more than at 128, prefill-h200.md). What a
+graph's shapes depend on is fixed per graph (``GraphKey``): the token count T, whether the chunk
+fills it, fla-core's chunk count (one more when L is not a multiple of 64) and the number of state
+captures (0 or 1). The inputs live in one int64 buffer that the graph reads, cut into the batch's
+views and cast by the graph's own first ops, and filled by one copy before each replay.
 
 On CPU the same buffers run eagerly (no graphs), so the CPU tests check the padded pass against
 the plain one. One rank only (TP 1): graphs with collectives are captured by the pre-capture sweep.
@@ -29,19 +31,19 @@ from phalanx.models.qwen35 import PrefillBatch
 log = structlog.get_logger("phalanx.prefill_graphs")
 
 GRAPH_TOKENS = (64, 128, 256, 512)  # the buckets of a chunk's length
-PADDING = GDN_CHUNK  # the padding chunk's least length
-GRAPHED_PREFILL_TOKENS = GRAPH_TOKENS[-1] + PADDING  # the largest graphed pass (its memory is planned)
+GRAPHED_PREFILL_TOKENS = GRAPH_TOKENS[-1]  # the largest graphed pass (its memory is planned)
 
 
 @dataclass(frozen=True)
 class GraphKey:
-    tokens: int  # the bucket T; the batch holds T + PADDING tokens
+    tokens: int  # the bucket T: the batch's token count
     aligned: bool  # the chunk's length is a multiple of GDN_CHUNK
     captures: int  # state captures in the pass (0 or 1)
+    padded: bool = True  # the chunk is shorter than T, and a padding chunk fills the rest
 
     @property
-    def total(self) -> int:
-        return self.tokens + PADDING
+    def chunks(self) -> int:
+        return 2 if self.padded else 1
 
 
 class PrefillGraphRunner:
@@ -54,11 +56,13 @@ class PrefillGraphRunner:
         self.pad_page = pad_page
         self.max_pages = max_pages
         positions = max_pages * model.page_size
-        self.buckets = tuple(t for t in GRAPH_TOKENS if t + PADDING <= positions)
-        self.keys = [
-            GraphKey(t, aligned, m) for t in self.buckets for aligned in (True, False) for m in (0, 1)
-            if m == 0 or t > GDN_CHUNK  # a capture falls 64 or more tokens into its chunk
-        ]  # fmt: skip
+        self.buckets = tuple(t for t in GRAPH_TOKENS if t <= positions)
+        # (aligned, padded): a chunk of T tokens, a shorter multiple of 64, any other length
+        shapes = ((True, False), (True, True), (False, True))
+        keys = [GraphKey(t, a, m, p) for t in self.buckets for a, p in shapes for m in (0, 1)]
+        below = dict(zip(self.buckets, (0, *self.buckets), strict=False))  # each bucket's predecessor
+        # a key serves a chunk longer than the bucket below, and a capture falls 64 or more tokens into it
+        self.keys = [k for k in keys if _longest(k) > max(below[k.tokens], GDN_CHUNK if k.captures else 0)]
         size = max((self._offsets(key)[-1] + _varlen_size(key) for key in self.keys), default=0)
         self._buffer = torch.zeros(size, dtype=torch.int64, device=device)
         # the buffer's host side, pinned once: pinning a fresh block for every pass took ~1 ms of host time
@@ -73,7 +77,7 @@ class PrefillGraphRunner:
             return None
         for bucket in self.buckets:
             if tokens <= bucket:
-                key = GraphKey(bucket, tokens % GDN_CHUNK == 0, captures)
+                key = GraphKey(bucket, tokens % GDN_CHUNK == 0, captures, tokens < bucket)
                 return key if key in self.keys else None
         return None
 
@@ -98,7 +102,7 @@ class PrefillGraphRunner:
         started = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         for key in self.keys:
-            length = key.tokens if key.aligned else key.tokens - 1
+            length = _longest(key)
             captures = [(GDN_CHUNK, self.pad_slot)] * key.captures
             layout = self._stage(key, [0] * length, 0, self.pad_slot, [self.pad_page], captures)
             for _ in range(2):  # compiles and tunes every kernel for these shapes
@@ -113,7 +117,7 @@ class PrefillGraphRunner:
 
     def _offsets(self, key: GraphKey) -> tuple[int, int, int, int]:
         """Where the token ids, state slots, page table and chunk bounds start in the buffer."""
-        slots = key.total
+        slots = key.tokens
         table = slots + 2
         bounds = table + 2 * self.max_pages
         return 0, slots, table, bounds
@@ -122,10 +126,13 @@ class PrefillGraphRunner:
         self, key: GraphKey, tokens: list[int], start: int, slot: int, pages: list[int],
         captures: list[tuple[int, int]],
     ) -> VarlenLayout:  # fmt: skip
-        """Writes the padded batch into the buffer (one copy); returns its layout."""
+        """Writes the batch (a short chunk padded) into the buffer (one copy); returns its layout."""
         length = len(tokens)
+        padding = key.tokens - length
         layout = VarlenLayout.plan(
-            [length, key.total - length], [start, 0], [(0, offset, to) for offset, to in captures]
+            [length, padding] if padding else [length],
+            [start, 0] if padding else [start],
+            [(0, offset, to) for offset, to in captures],
         )
         if self._copied is not None:
             self._copied.synchronize()  # the previous pass's copy has read the host block
@@ -146,23 +153,28 @@ class PrefillGraphRunner:
         # A key's graph is captured once for every start and length it serves, so the host facts
         # its kernels branch on are the key's: the pass always gathers the chunks' states and
         # masks the fresh ones (the padding chunk always is), even for a chunk that starts at 0.
-        return dataclasses.replace(layout, longest=key.total, continues=True, continues_all=False)
+        return dataclasses.replace(layout, longest=key.tokens, continues=True, continues_all=False)
 
     def _body(self, key: GraphKey, layout: VarlenLayout) -> torch.Tensor:
-        """The padded pass from the buffer: logits [2, vocab] (the chunk's, then the padding's)."""
+        """The pass from the buffer: logits [chunks, vocab] (the chunk's, then any padding's)."""
         tokens_at, slots_at, table_at, bounds_at = self._offsets(key)
         buffer = self._buffer
         batch = PrefillBatch(
-            tokens=buffer[tokens_at : tokens_at + key.total],
-            state_slots=buffer[slots_at : slots_at + 2],
-            page_tables=buffer[table_at:bounds_at].view(2, self.max_pages).to(torch.int32),
+            tokens=buffer[tokens_at : tokens_at + key.tokens],
+            state_slots=buffer[slots_at : slots_at + key.chunks],
+            page_tables=buffer[table_at:bounds_at].view(2, self.max_pages)[: key.chunks].to(torch.int32),
             varlen=Varlen.from_packed(buffer[bounds_at:], layout),
             token_range=(0, 0),  # checked by the caller: the buffer's ids are not on the host
         )
         return self.model.prefill(batch)
 
 
+def _longest(key: GraphKey) -> int:
+    """The longest chunk ``key`` serves."""
+    return key.tokens - (0 if not key.padded else GDN_CHUNK if key.aligned else 1)
+
+
 def _varlen_size(key: GraphKey) -> int:
-    """Packed int64 values of a two-chunk batch's bounds (``VarlenLayout``) for ``key``."""
-    fla_chunks = key.tokens // GDN_CHUNK + (1 if key.aligned else 2)
-    return 3 + 2 + 2 * key.total + 2 * fla_chunks + 3 * key.captures
+    """Packed int64 values of the batch's bounds (``VarlenLayout``) for ``key``."""
+    fla_chunks = key.tokens // GDN_CHUNK + (0 if key.aligned else 1)
+    return (key.chunks + 1) + key.chunks + 2 * key.tokens + 2 * fla_chunks + 3 * key.captures

@@ -18,6 +18,10 @@ from phalanx.worker.prefill_graphs import PrefillGraphRunner  # noqa: E402
 from tests.support.gpu_checks import rel  # noqa: E402
 
 DEV = torch.device("cuda")
+# A graph's pass and the plain one run GEMMs of other row counts (the padding), so cuBLAS sums in
+# other orders: the tiny model's bf16 logits differed by up to 2.3 % (a 130-token chunk in its
+# 256-token graph); states and K/V, where a padding leak would show, stay within 2 %.
+LOGITS_REL, STATE_REL = 3e-2, 2e-2
 PAGE, KV_PAGES, SLOTS, PAD_SLOT, MAX_PAGES = 16, 128, 8, 7, 64
 
 
@@ -40,11 +44,13 @@ def test_replays_give_the_eager_pass_s_logits_states_captures_and_kv(tiny_model_
     model.allocate_cache(KV_PAGES + 1, PAGE, SLOTS)
     runner = PrefillGraphRunner(model, DEV, pad_slot=PAD_SLOT, pad_page=KV_PAGES, max_pages=MAX_PAGES)
     runner.capture()
-    assert len(runner._graphs) == len(runner.keys) == 14
+    assert len(runner._graphs) == len(runner.keys) == 18
     ours, theirs = list(range(0, 60)), list(range(60, 120))
-    # (length, start, capture offset or 0): every bucket, aligned or not, fresh or continuing
+    bad: list[str] = []
+    # (length, start, capture offset or 0): every bucket, filled, aligned or not, fresh or continuing
     for length, start, capture in [(50, 0, 0), (64, 0, 0), (128, 64, 0), (130, 0, 64), (200, 320, 128),
-                                   (512, 0, 256), (1, 700, 0), (333, 16, 0)]:  # fmt: skip
+                                   (512, 0, 256), (1, 700, 0), (333, 16, 0), (192, 0, 128), (384, 64, 0),
+                                   (128, 640, 64)]:  # fmt: skip
         head, tokens = _prompt(start, length), _prompt(length, start + 1)
         if start:  # both slots continue the same cached prefix
             model.prefill(PrefillBatch.build([(head, 0, 1, ours)], DEV))
@@ -55,12 +61,16 @@ def test_replays_give_the_eager_pass_s_logits_states_captures_and_kv(tiny_model_
         saves = [(0, capture, 5)] if capture else []
         plain = model.prefill(PrefillBatch.build([(tokens, start, 2, theirs)], DEV, saves))
         where = f"length {length} at {start}"
-        assert rel(logits, plain) <= 2e-2, where
-        for got, want in zip(_states(model, 1), _states(model, 2), strict=True):
-            assert rel(got, want) <= 2e-2, where
+        pairs = [("logits", logits, plain)]
+        pairs += [("state", *p) for p in zip(_states(model, 1), _states(model, 2), strict=True)]
         if capture:
-            for got, want in zip(_states(model, 4), _states(model, 5), strict=True):
-                assert rel(got, want) <= 2e-2, where
+            pairs += [("captured state", *p) for p in zip(_states(model, 4), _states(model, 5), strict=True)]
         used = -(-(start + length) // PAGE)
-        for got, want in zip(_kv(model, ours[:used]), _kv(model, theirs[:used]), strict=True):
-            assert rel(got, want) <= 2e-2, where
+        pairs += [("kv", *p) for p in zip(_kv(model, ours[:used]), _kv(model, theirs[:used]), strict=True)]
+        limits = {"logits": LOGITS_REL}
+        bad += [
+            f"{where} ({key}): {what} rel {rel(a, b):.3g}"
+            for what, a, b in pairs
+            if rel(a, b) > limits.get(what, STATE_REL)
+        ]
+    assert not bad, "\n".join(bad)

@@ -1,7 +1,7 @@
-"""The padded single-chunk prefill a graph replays (``worker/prefill_graphs.py``), run eagerly on
-CPU: the chunk's logits, its recurrent and conv state, a mid-chunk capture and its K/V equal a
-plain pass's, fresh and continuing a cached prefix; the padding touches only its own slot and
-the padding page."""
+"""The single-chunk prefill a graph replays (``worker/prefill_graphs.py``), run eagerly on CPU:
+the chunk's logits, its recurrent and conv state, a mid-chunk capture and its K/V equal a plain
+pass's, fresh and continuing a cached prefix, with a padding chunk beside it or filling its
+bucket alone; the padding touches only its own slot and the padding page."""
 
 from __future__ import annotations
 
@@ -45,8 +45,8 @@ def _close(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize(("length", "start"), [(50, 0), (64, 0), (128, 64), (37, 80)])
-def test_a_padded_pass_gives_the_plain_pass_s_logits_states_and_kv(
+@pytest.mark.parametrize(("length", "start"), [(50, 0), (64, 0), (128, 64), (37, 80), (192, 0)])
+def test_a_graph_s_pass_gives_the_plain_pass_s_logits_states_and_kv(
     model: Qwen35Model, graphs: PrefillGraphRunner, length: int, start: int
 ) -> None:
     head, tokens = _prompt(start, 1), _prompt(length, 2)
@@ -55,7 +55,8 @@ def test_a_padded_pass_gives_the_plain_pass_s_logits_states_and_kv(
         model.prefill(PrefillBatch.build([(head, 0, 1, ours)]))
         model.prefill(PrefillBatch.build([(head, 0, 2, theirs)]))
     key = graphs.key_for(length, start, len(ours), 0)
-    assert key == GraphKey(64 if length <= 64 else 128, length % 64 == 0, 0)
+    bucket = next(t for t in (64, 128, 256) if length <= t)
+    assert key == GraphKey(bucket, length % 64 == 0, 0, padded=length < bucket)
     logits = graphs.prefill(key, tokens, start, 1, ours, [])
     plain = model.prefill(PrefillBatch.build([(tokens, start, 2, theirs)]))
     torch.testing.assert_close(logits, plain, rtol=1e-4, atol=1e-5)
@@ -77,7 +78,7 @@ def test_a_capture_inside_the_chunk_equals_the_plain_pass_s(
 
 
 def test_what_no_graph_holds_runs_eagerly(graphs: PrefillGraphRunner) -> None:
-    assert graphs.buckets == (64, 128, 256)  # 512 + 64 padding tokens pass 20 pages of 16
+    assert graphs.buckets == (64, 128, 256)  # 512 tokens pass 20 pages of 16
     assert graphs.key_for(257, 0, 17, 0) is None  # longer than the largest bucket
     assert graphs.key_for(100, 0, 7, 2) is None  # two captures
     assert graphs.key_for(64, 0, 4, 1) is None  # no capture fits a chunk of one 64-token block
@@ -96,7 +97,8 @@ def test_the_host_facts_a_graph_bakes_in_are_its_key_s_alone(graphs: PrefillGrap
     same host facts (counts, longest, whether states are gathered) whatever its start and length."""
     served = {
         GraphKey(128, False, 0): [(65, 0, []), (100, 64, []), (127, 180, [])],
-        GraphKey(128, True, 1): [(128, 0, [(64, 4)]), (128, 16, [(64, 5)])],
+        GraphKey(128, True, 1, padded=False): [(128, 0, [(64, 4)]), (128, 16, [(64, 5)])],
+        GraphKey(256, True, 0): [(192, 0, []), (192, 64, [])],
         GraphKey(64, False, 0): [(1, 0, []), (37, 80, [])],
     }
     for key, chunks in served.items():
@@ -107,4 +109,4 @@ def test_the_host_facts_a_graph_bakes_in_are_its_key_s_alone(graphs: PrefillGrap
             layout = graphs._stage(key, _prompt(length, 3), start, 1, pages, captures)
             facts.add((layout.counts, layout.longest, layout.continues, layout.continues_all))
         assert len(facts) == 1, (key, facts)
-        assert next(iter(facts))[1:] == (key.total, True, False), key
+        assert next(iter(facts))[1:] == (key.tokens, True, False), key
