@@ -49,7 +49,7 @@ def _attend_keys(
 
 # ``splits`` and the page table's row stride (an eager batch's widest table) are runtime values, not
 # specialised: one binary per ``SPLIT`` serves every batch, where a binary per split count and
-# stride class compiled in the middle of serving, stalling every request for seconds.
+# stride class compiled in the middle of serving, stalling every stream (serve-h200.md, 2026-12-04).
 @triton.jit(do_not_specialize=["stride_ptb", "splits"])
 def _prefill_kernel(
     q_ptr,
