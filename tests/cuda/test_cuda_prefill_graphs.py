@@ -67,10 +67,9 @@ def test_replays_give_the_eager_pass_s_logits_states_captures_and_kv(tiny_model_
             pairs += [("captured state", *p) for p in zip(_states(model, 4), _states(model, 5), strict=True)]
         used = -(-(start + length) // PAGE)
         pairs += [("kv", *p) for p in zip(_kv(model, ours[:used]), _kv(model, theirs[:used]), strict=True)]
-        limits = {"logits": LOGITS_REL}
         bad += [
             f"{where} ({key}): {what} rel {rel(a, b):.3g}"
             for what, a, b in pairs
-            if rel(a, b) > limits.get(what, STATE_REL)
+            if rel(a, b) > (LOGITS_REL if what == "logits" else STATE_REL)
         ]
     assert not bad, "\n".join(bad)
