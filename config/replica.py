@@ -16,6 +16,16 @@ DEVICES = ("cpu", "cuda")
 TRANSPORTS = ("ipc", "tcp")
 LOG_FORMATS = ("console", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+RECURRENT_STATE_DTYPES = ("float32", "bfloat16")
+
+
+def recurrent_state_dtype_for(setting: str, model_dtype: str) -> str:
+    """The linear-attention state's dtype: ``setting``, or for "" the model's (bfloat16 for a 16-bit
+    model, as vLLM's ``auto``). A bf16 state halves the traffic of a large decode batch's largest
+    read and keeps the golden tolerances (docs/benchmarks/decode-h200.md); it is stepped in fp32."""
+    return setting or ("float32" if model_dtype == "float32" else "bfloat16")
+
+
 _AS_MANY_AS_FIT = "{name} must be positive (0 means 'as many as fit' on cuda only), got {value}"
 
 
@@ -69,9 +79,12 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9  # cuda: the fraction of each GPU's memory a rank may use
     prefix_cache: bool = True  # reuse the KV pages and linear-attention state of cached prompt prefixes
     prefix_snapshots: int = 0  # state snapshots per rank; 0: sized by the rank (phalanx.worker.capacity)
+    recurrent_state_dtype: str = ""  # the linear-attention state's; "": as recurrent_state_dtype_for picks
 
     def __post_init__(self) -> None:
         _check_positive(self, "page_size")
+        if self.recurrent_state_dtype:
+            _check_choice("recurrent_state_dtype", self.recurrent_state_dtype, RECURRENT_STATE_DTYPES)
         if self.kv_pages < 0:
             raise ValueError(_AS_MANY_AS_FIT.format(name="kv_pages", value=self.kv_pages))
         if self.prefix_snapshots < 0:

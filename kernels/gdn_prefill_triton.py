@@ -264,7 +264,7 @@ def gdn_prefill_triton(
     slots = state_slots.to(mixed.device)
     initial = None  # every chunk starts a prompt: fla-core starts from zeros without a gather
     if varlen.continues:
-        initial = state.index_select(0, slots)
+        initial = state.index_select(0, slots).float()
         if not varlen.continues_all:  # the fresh chunks' slots may hold an old request's state
             keep = has_initial_state.to(device=mixed.device, dtype=torch.bool)
             initial *= keep[:, None, None, None]
@@ -275,6 +275,8 @@ def gdn_prefill_triton(
     )
     captures = varlen.captures
     if captures is not None:
-        state.index_copy_(0, captures.slots, chunk_states[0].index_select(0, captures.gdn_chunks).float())
-    state.index_copy_(0, slots, final.to(torch.float32))
+        state.index_copy_(
+            0, captures.slots, chunk_states[0].index_select(0, captures.gdn_chunks).to(state.dtype)
+        )
+    state.index_copy_(0, slots, final.to(state.dtype))
     return o.squeeze(0).to(mixed.dtype)

@@ -9,7 +9,8 @@ the work it does.
 
 Shapes (local heads): mixed_qkv [B, 2*Hk*dk + Hv*dv] (pre-conv ``in_proj_qkv`` output),
 conv_weight [conv_dim, K], z [B, Hv, dv], a / b [B, Hv], A_log / dt_bias [Hv], norm_weight [dv],
-conv_state [slots, conv_dim, K-1], state [slots, Hv, dk, dv] fp32, state_slots [B] int64.
+conv_state [slots, conv_dim, K-1], state [slots, Hv, dk, dv] fp32 or bf16 (computed in fp32),
+state_slots [B] int64.
 Returns y [B, Hv, dv] in mixed_qkv's dtype; both states are updated in place.
 """
 

@@ -48,6 +48,7 @@ from phalanx.kernels.conv1d_triton import (
     conv_step,
     store_conv_state,
 )
+from phalanx.kernels.gdn import RECURRENT_STATE_DTYPES
 from phalanx.kernels.gdn_step import gdn_split_sizes
 from phalanx.kernels.gdn_tiles import (
     FIXED_TILES,
@@ -107,7 +108,7 @@ def _step_kernel(
     # 1. Before the wait (see the module docstring for why these reads are safe there).
     slot = tl.load(slots_ptr + row)
     s_ptrs = state_ptr + slot * stride_slot + h * DK * DV + dk[:, None] * DV + dv[None, :]
-    s = tl.load(s_ptrs, mask=s_mask, other=0.0, eviction_policy="evict_first")
+    s = tl.load(s_ptrs, mask=s_mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
     q_ch, k_ch, v_ch = kh * DK + dk, HK * DK + kh * DK + dk, 2 * HK * DK + h * DV + dv
     if CONV:
         cs_row = cs_ptr + slot * stride_cs
@@ -218,8 +219,10 @@ def _workspace(
 
 def check_step_states(conv_state: torch.Tensor, state: torch.Tensor, conv_dim: int, kernel: int) -> None:
     """The decode step's layout contract for both states (raises ValueError with the shapes)."""
-    if not state.is_contiguous() or state.dtype != torch.float32:
-        raise ValueError(f"recurrent state must be contiguous float32, got {state.dtype} {state.stride()}")
+    if not state.is_contiguous() or state.dtype not in RECURRENT_STATE_DTYPES:
+        raise ValueError(
+            f"recurrent state must be contiguous float32 or bfloat16, got {state.dtype} {state.stride()}"
+        )
     if not conv_state.is_contiguous() or conv_state.shape[1:] != (conv_dim, kernel - 1):
         raise ValueError(
             f"conv_state must be contiguous [slots, {conv_dim}, {kernel - 1}], got {tuple(conv_state.shape)}"
@@ -334,7 +337,7 @@ class _Step:
             CONV=conv,
         )
         # The model dtype stands for the others: the tile is a speed choice (see TunedTiles).
-        key = (bucket, hk, hv, dk, dv, conv, x.dtype, state.device)
+        key = (bucket, hk, hv, dk, dv, conv, x.dtype, state.dtype, state.device)
         return cls(tensors, [o_ws, arrivals], [*strides, eps, dk**-0.5, bucket], shape, key)
 
     def tile(self) -> Tile:

@@ -22,17 +22,20 @@ from phalanx.kernels.parallel_compile import precompiling
 
 log = structlog.get_logger(__name__)
 
-# (BV, num_warps): at dk = 128 every config holds 16..64 fp32 state elements per thread (more
-# would spill); narrow tiles make more, smaller programs, wide ones fewer reductions per byte.
+# (BV, num_warps): at dk = 128 every config holds 16..128 fp32 state elements per thread; narrow
+# tiles make more, smaller programs, wide ones fewer reductions per byte. (32, 1) and (64, 2) won
+# batches 16 and 64 with a bf16 state (docs/benchmarks/kernel-choices-h200.md).
 TUNING_SPACE = (
     (8, 1),
     (8, 2),
     (16, 1),
     (16, 2),
     (16, 4),
+    (32, 1),
     (32, 2),
     (32, 4),
     (32, 8),
+    (64, 2),
     (64, 4),
     (64, 8),
     (128, 8),

@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from phalanx.kernels.gdn import RECURRENT_STATE_DTYPES
 from phalanx.kernels.launch import cdiv, next_pow2
 
 
@@ -29,7 +30,7 @@ def l2_normalize(x, scale):
 @triton.jit
 def delta_rule_update(s_ptrs, s_mask, q, k, v, g, beta):
     """One token of the gated delta rule on a [dk, BV] state tile (fp32, in place); returns o."""
-    s = tl.load(s_ptrs, mask=s_mask, other=0.0)
+    s = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32)
     s = s * tl.exp(g)
     kv = tl.sum(s * k[:, None], axis=0)
     delta = beta * (v - kv)
@@ -76,9 +77,13 @@ def gdn_gating_triton(
 
 
 def _check_recurrent_state(state: torch.Tensor, hv: int, dk: int, dv: int) -> None:
-    if not state.is_contiguous() or state.shape[1:] != (hv, dk, dv) or state.dtype != torch.float32:
+    if (
+        not state.is_contiguous()
+        or state.shape[1:] != (hv, dk, dv)
+        or state.dtype not in RECURRENT_STATE_DTYPES
+    ):
         raise ValueError(
-            f"recurrent state must be contiguous float32 [slots, {hv}, {dk}, {dv}], got "
+            f"recurrent state must be contiguous float32 or bfloat16 [slots, {hv}, {dk}, {dv}], got "
             f"{state.dtype} {tuple(state.shape)}"
         )
 
@@ -224,7 +229,7 @@ def _delta_rule_prefill_kernel(
     has_init = tl.load(init_ptr + i) != 0
     s_ptrs = state_ptr + slot * stride_slot + h * DK * DV + dk[:, None] * DV + dv[None, :]
     # where, not a mask: a slot without history may hold anything, NaN included.
-    s = tl.where(has_init, tl.load(s_ptrs, mask=s_mask, other=0.0), 0.0)
+    s = tl.where(has_init, tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32), 0.0)
     for t in range(bos, eos):
         q = tl.load(q_ptr + t * stride_qt + kh * stride_qh + dk, mask=k_mask, other=0.0).to(tl.float32)
         k = tl.load(k_ptr + t * stride_kt + kh * stride_kh + dk, mask=k_mask, other=0.0).to(tl.float32)

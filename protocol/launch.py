@@ -30,6 +30,7 @@ class WorkerLimits(msgspec.Struct, frozen=True):
     gpu_memory_utilization: float  # the fraction of the GPU's total memory this rank may use
     prefix_cache: bool = True  # False: no prefix-cache snapshot slots (Capacity.snapshot_slots 0)
     prefix_snapshots: int = 0  # snapshot slots; 0: as the rank sizes them (phalanx.worker.capacity)
+    recurrent_state_dtype: str = ""  # float32, bfloat16; "": the model's (recurrent_state_dtype_for)
 
 
 class WorkerConfig(msgspec.Struct, frozen=True):
@@ -75,6 +76,7 @@ def rank_config(
             gpu_memory_utilization=replica.cache.gpu_memory_utilization,
             prefix_cache=replica.cache.prefix_cache,
             prefix_snapshots=replica.cache.prefix_snapshots,
+            recurrent_state_dtype=replica.cache.recurrent_state_dtype,
         ),
         device=replica.parallel.device,
         local_rank=local_rank,

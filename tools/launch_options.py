@@ -17,12 +17,14 @@ import structlog
 from phalanx.config.replica import (
     LOG_FORMATS,
     LOG_LEVELS,
+    RECURRENT_STATE_DTYPES,
     CacheConfig,
     LogConfig,
     ModelConfig,
     ParallelConfig,
     ReplicaConfig,
     SchedulingConfig,
+    recurrent_state_dtype_for,
 )
 from phalanx.executor.model_info import ModelInfoError, read_model_info
 
@@ -117,6 +119,25 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"KV pages per rank (default: {CacheConfig.kv_pages} on cpu; on cuda as many as memory allows)",
     )
     add_prefix_cache_arguments(parser)
+    add_state_dtype_argument(parser)
+
+
+def add_state_dtype_argument(parser: argparse.ArgumentParser) -> None:
+    """The linear-attention state's dtype, under vLLM's name for it."""
+    parser.add_argument(
+        "--mamba-ssm-cache-dtype",
+        dest="recurrent_state_dtype",
+        choices=("auto", *RECURRENT_STATE_DTYPES),
+        default="auto",
+        help="dtype of the Gated DeltaNet layers' recurrent state, stepped in float32 either way: "
+        "bfloat16 halves its memory and its traffic at decode (default: auto, the model's: bfloat16 "
+        "for a 16-bit model, float32 for a float32 one)",
+    )
+
+
+def state_dtype_setting(args: argparse.Namespace) -> str:
+    """``--mamba-ssm-cache-dtype`` as the config holds it: "" for auto."""
+    return "" if args.recurrent_state_dtype == "auto" else args.recurrent_state_dtype
 
 
 def add_prefix_cache_arguments(parser: argparse.ArgumentParser) -> None:
@@ -171,6 +192,7 @@ class LaunchChoice:
     gpu_memory_utilization: float
     prefix_cache: bool
     prefix_snapshots: int  # 0: sized by each rank
+    recurrent_state_dtype: str
 
 
 def choose_launch(args: argparse.Namespace, model_dir: Path, max_slots: int | None = None) -> LaunchChoice:
@@ -186,9 +208,10 @@ def choose_launch(args: argparse.Namespace, model_dir: Path, max_slots: int | No
     if args.prefix_snapshots is not None and not args.prefix_cache:
         raise ValueError("--prefix-snapshots sizes the prefix cache, which --no-prefix-cache turns off")
     cuda = device == "cuda"
+    dtype = resolve_dtype(args.dtype, device, info.dtype)
     return LaunchChoice(
         device=device,
-        dtype=resolve_dtype(args.dtype, device, info.dtype),
+        dtype=dtype,
         cuda_graph=cuda and not args.enforce_eager,
         kv_pages=args.kv_pages if args.kv_pages is not None else (0 if cuda else CacheConfig.kv_pages),
         max_slots=max_slots if max_slots is not None else (0 if cuda else SchedulingConfig.max_slots),
@@ -196,6 +219,7 @@ def choose_launch(args: argparse.Namespace, model_dir: Path, max_slots: int | No
         gpu_memory_utilization=args.gpu_memory_utilization,
         prefix_cache=args.prefix_cache,
         prefix_snapshots=args.prefix_snapshots or 0,
+        recurrent_state_dtype=recurrent_state_dtype_for(state_dtype_setting(args), dtype),
     )
 
 
@@ -297,6 +321,7 @@ def replica_config(
             gpu_memory_utilization=choice.gpu_memory_utilization,
             prefix_cache=choice.prefix_cache,
             prefix_snapshots=choice.prefix_snapshots,
+            recurrent_state_dtype=choice.recurrent_state_dtype,
         ),
         scheduling=SchedulingConfig(max_slots=choice.max_slots, pipeline=args.pipeline),
         log=LogConfig(args.log_level, args.log_format, args.record),

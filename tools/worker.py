@@ -32,7 +32,9 @@ from phalanx.tools.launch_options import (
     add_batch_arguments,
     add_log_arguments,
     add_prefix_cache_arguments,
+    add_state_dtype_argument,
     memory_fraction,
+    state_dtype_setting,
 )
 
 
@@ -61,6 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--kv-pages", type=int, default=0, help="KV pages cap (0 on cuda: as many as fit)")
     add_prefix_cache_arguments(parser)
+    add_state_dtype_argument(parser)
     add_batch_arguments(parser)
     parser.add_argument(
         "--gpu-memory-utilization",
@@ -131,6 +134,7 @@ def _replica(args: argparse.Namespace) -> ReplicaConfig:
             args.gpu_memory_utilization,
             args.prefix_cache,
             args.prefix_snapshots or 0,
+            state_dtype_setting(args),
         ),
         scheduling=SchedulingConfig(args.max_slots or 0, args.max_batch_tokens),
         timeouts=Timeouts(

@@ -190,7 +190,8 @@ def memory_line(
     parts = [
         f"weights {model.weight_bytes / GIB:.2f} GiB",
         f"KV {kv / GIB:.2f} GiB ({capacity.kv_pages:,} pages of {capacity.page_size} tokens)",
-        f"request states {states / GIB:.2f} GiB ({capacity.max_slots} slots)",
+        f"request states {states / GIB:.2f} GiB ({capacity.max_slots} slots, recurrent state in "
+        f"{str(model.state_dtype).removeprefix('torch.')})",
         f"prefix snapshots {layout.snapshot_slots} ({snapshots / GIB:.2f} GiB)"
         if layout.snapshot_slots
         else "prefix cache off",

@@ -162,7 +162,7 @@ class GatedDeltaNet:
         return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
 
     def state_shapes(self, num_slots: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """(recurrent, conv) state shapes for ``num_slots`` slots; recurrent fp32, conv the weights'."""
+        """(recurrent, conv) state shapes for ``num_slots`` slots (the model picks their dtypes)."""
         return (
             (num_slots, self.value_heads, self.key_dim, self.value_dim),
             (num_slots, self.conv_dim, self.kernel - 1),

@@ -34,6 +34,7 @@ class Qwen35Model:
         weights: dict[str, torch.Tensor],
         device: torch.device,
         dtype: torch.dtype,
+        state_dtype: torch.dtype = torch.float32,
     ) -> None:
         self.config = config
         self.layout = layout
@@ -41,6 +42,7 @@ class Qwen35Model:
         self.world_size = layout.world_size
         self.device = device
         self.dtype = dtype
+        self.state_dtype = state_dtype  # the linear layers' recurrent state (computed in fp32 either way)
         self.tp = TensorParallel(layout.rank, layout.world_size)
         self.embed = VocabParallelEmbedding(weights["embed_tokens.weight"], layout.vocab_start, self.tp)
         head_weight = (
@@ -71,6 +73,7 @@ class Qwen35Model:
         world_size: int = 1,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        state_dtype: torch.dtype = torch.float32,
         progress: bool = False,
     ) -> Qwen35Model:
         """Read this rank's slices of the checkpoint in ``model_dir`` and build the model."""
@@ -84,7 +87,7 @@ class Qwen35Model:
         tolerated = ("lm_head.weight",) if config.tie_word_embeddings else ()
         check_tensors(checkpoint, specs, allow_extra=tolerated, rank=rank)
         weights = read_slices(checkpoint, specs, dtype=dtype, device=device, rank=rank, progress=progress)
-        model = cls(config, layout, weights, device, dtype)
+        model = cls(config, layout, weights, device, dtype, state_dtype)
         log.info(
             "model loaded",
             model_dir=str(model_dir),
@@ -111,10 +114,10 @@ class Qwen35Model:
         return len(self._attention_layers) * per_layer * self.dtype.itemsize
 
     def state_bytes_per_slot(self) -> int:
-        """Recurrent (fp32) plus conv (model dtype) state of one slot over every linear layer."""
+        """Recurrent (``state_dtype``) plus conv (model dtype) state of one slot over every linear layer."""
         total = 0
         for gdn in self._linear_layers:
-            total += gdn.value_heads * gdn.key_dim * gdn.value_dim * 4
+            total += gdn.value_heads * gdn.key_dim * gdn.value_dim * self.state_dtype.itemsize
             total += gdn.conv_dim * (gdn.kernel - 1) * self.dtype.itemsize
         return total
 
@@ -130,7 +133,7 @@ class Qwen35Model:
         if linear:
             recurrent_shape, conv_shape = linear[0].state_shapes(num_state_slots)
             self._recurrent_states = torch.zeros(
-                (len(linear), *recurrent_shape), dtype=torch.float32, device=self.device
+                (len(linear), *recurrent_shape), dtype=self.state_dtype, device=self.device
             )
             self._conv_states = torch.zeros((len(linear), *conv_shape), dtype=self.dtype, device=self.device)
             for index, gdn in enumerate(linear):

@@ -16,9 +16,11 @@ from phalanx.config.replica import (
     ReplicaConfig,
     SchedulingConfig,
     Timeouts,
+    recurrent_state_dtype_for,
 )
 from phalanx.protocol.launch import decode_config, encode_config, rank_config
 from phalanx.tools.cli import command_parser
+from phalanx.tools.launch_options import state_dtype_setting
 
 
 def test_flat_fields_land_in_their_sections_and_read_back_flat() -> None:
@@ -57,6 +59,10 @@ def test_unknown_fields_and_bad_values_are_refused_by_name() -> None:
         ({"prefix_snapshots": -1}, "prefix_snapshots must be 0 (sized by each rank) or more, got -1"),
         ({"max_batch_tokens": -1}, "max_batch_tokens must be 0 (picked by each rank) or more, got -1"),
         (
+            {"recurrent_state_dtype": "float16"},
+            "recurrent_state_dtype must be one of float32, bfloat16, got 'float16'",
+        ),
+        (
             {"prefix_cache": False, "prefix_snapshots": 8},
             "prefix_snapshots 8 given with the prefix cache off",
         ),
@@ -78,6 +84,11 @@ def test_the_launch_contract_is_filled_from_the_tree() -> None:
     off = rank_config(ReplicaConfig(model_dir="m", prefix_cache=False), 0, 0, "ipc:///x", 7, None)
     given = rank_config(ReplicaConfig(model_dir="m", prefix_snapshots=5), 0, 0, "ipc:///x", 7, None)
     assert (off.limits.prefix_cache, given.limits.prefix_snapshots) == (False, 5)
+    assert off.limits.recurrent_state_dtype == ""  # the model's: each rank resolves it
+    bf16 = rank_config(
+        ReplicaConfig(model_dir="m", recurrent_state_dtype="bfloat16"), 0, 0, "ipc:///x", 7, None
+    )
+    assert decode_config(encode_config(bf16)).limits.recurrent_state_dtype == "bfloat16"
     attached = ReplicaConfig(model_dir="m", transport="tcp", attach=True)
     contract = rank_config(attached, 0, 0, "tcp://h:1", 0, None)
     assert (contract.gate_timeout, contract.heartbeat_interval) == (
@@ -100,6 +111,16 @@ def test_the_command_line_defaults_are_the_tree_s() -> None:
     assert (worker.prefix_cache, worker.prefix_snapshots) == (CacheConfig.prefix_cache, None)
     off = command_parser("worker").parse_args(["--model", "m", "--no-prefix-cache"])
     assert off.prefix_cache is False
+    assert serve.recurrent_state_dtype == worker.recurrent_state_dtype == "auto"
+    assert state_dtype_setting(serve) == CacheConfig.recurrent_state_dtype == ""
+    assert [recurrent_state_dtype_for("", dtype) for dtype in ("float32", "bfloat16", "float16")] == [
+        "float32",
+        "bfloat16",
+        "bfloat16",
+    ]
+    assert recurrent_state_dtype_for("float32", "bfloat16") == "float32"
+    bf16 = command_parser("serve").parse_args(["--mamba-ssm-cache-dtype", "bfloat16"])
+    assert bf16.recurrent_state_dtype == "bfloat16"
     assert (worker.dist_init_timeout, worker.gate_timeout, worker.coordinator_grace) == (
         Timeouts.dist_init_timeout,
         Timeouts.gate_timeout,

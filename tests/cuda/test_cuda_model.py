@@ -51,7 +51,12 @@ def prompt_ids(n: int, seed: int = 0) -> list[int]:
     return torch.randint(0, 384, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def test_tiny_logits_match_fp32_reference_within_bf16(tiny_model_dir: Path) -> None:
+# Both recurrent-state dtypes are held to the same golden tolerances (--mamba-ssm-cache-dtype).
+STATE_DTYPES = pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+
+
+@STATE_DTYPES
+def test_tiny_logits_match_fp32_reference_within_bf16(tiny_model_dir: Path, state_dtype: torch.dtype) -> None:
     from transformers import AutoModelForCausalLM
 
     from phalanx.models.qwen35 import PrefillBatch, Qwen35Model
@@ -61,7 +66,7 @@ def test_tiny_logits_match_fp32_reference_within_bf16(tiny_model_dir: Path) -> N
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).to(DEV).eval()
     with torch.no_grad():
         ref = hf(input_ids=torch.tensor([prompt], device=DEV)).logits[0].cpu()
-    model = Qwen35Model.load(tiny_model_dir, device=DEV, dtype=torch.bfloat16)
+    model = Qwen35Model.load(tiny_model_dir, device=DEV, dtype=torch.bfloat16, state_dtype=state_dtype)
     model.allocate_cache(16, PAGE_SIZE, 2)
     # Two chunks: the second continues the first's KV, conv and recurrent state.
     first = model.prefill(PrefillBatch.build([(prompt[:37], 0, 0, list(range(7)))], DEV), all_logits=True)
@@ -143,7 +148,8 @@ def teacher_forced(model, prompt: list[int], forced: list[int]) -> list[torch.Te
     return logits
 
 
-def test_tiny_greedy_tokens_match_transformers_bf16(tiny_model_dir: Path) -> None:
+@STATE_DTYPES
+def test_tiny_greedy_tokens_match_transformers_bf16(tiny_model_dir: Path, state_dtype: torch.dtype) -> None:
     """64 greedy tokens equal transformers' (bf16), except where bf16 rounding decides the pick
     (``Trajectory.within_rounding``): a random tiny model has near-flat logits, and there greedy
     has no defined answer in bf16. (1) Teacher-forced on transformers' 64 tokens, phalanx's argmax
@@ -153,7 +159,7 @@ def test_tiny_greedy_tokens_match_transformers_bf16(tiny_model_dir: Path) -> Non
 
     prompt = prompt_ids(40, seed=1)
     expected = hf_greedy(tiny_model_dir, prompt, NEW_TOKENS)
-    model = Qwen35Model.load(tiny_model_dir, device=DEV, dtype=torch.bfloat16)
+    model = Qwen35Model.load(tiny_model_dir, device=DEV, dtype=torch.bfloat16, state_dtype=state_dtype)
     forced = teacher_forced(model, prompt, expected.tokens)
     wrong = [
         (step, int(ours.argmax()), token)

@@ -30,7 +30,9 @@ def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out - ref).norm() / ref.norm().clamp_min(1e-12))
 
 
-def _step_inputs(batch: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _step_inputs(
+    batch: int, dtype: torch.dtype, state_dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
     def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
         return (torch.randn(*shape) * scale).to(dtype)
 
@@ -47,15 +49,20 @@ def _step_inputs(batch: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         "A_log": torch.rand(HV).log(),
         "dt_bias": rand(HV),
         "norm_weight": torch.rand(DV) + 0.5,
-        "state": torch.randn(SLOTS, HV, DK, DV) * 0.1,
+        "state": (torch.randn(SLOTS, HV, DK, DV) * 0.1).to(state_dtype),
         "state_slots": torch.randperm(SLOTS)[:batch],
     }
 
 
-def _compare(step: Callable[..., torch.Tensor], batch: int, dtype: torch.dtype) -> dict[str, float]:
+def _compare(
+    step: Callable[..., torch.Tensor],
+    batch: int,
+    dtype: torch.dtype,
+    state_dtype: torch.dtype = torch.float32,
+) -> dict[str, float]:
     from phalanx.kernels.gdn_step import gdn_decode_step_ref
 
-    inputs = _step_inputs(batch, dtype)
+    inputs = _step_inputs(batch, dtype, state_dtype)
     ref_inputs = {**inputs, "conv_state": inputs["conv_state"].clone(), "state": inputs["state"].clone()}
     names = ["mixed_qkv", "conv_weight", "conv_state", "z", "a", "b", "A_log", "dt_bias", "norm_weight"]
     tail = ["state", "state_slots"]
@@ -120,6 +127,23 @@ def check_split_small_bf16() -> dict[str, float]:
     from phalanx.kernels.gdn_step_triton import gdn_decode_step_split
 
     errors = _compare(gdn_decode_step_split, 3, torch.bfloat16)
+    errors["state_after_bf16_stages"] = errors.pop("state")
+    return errors
+
+
+def check_split_bf16_state() -> dict[str, float]:
+    """A bf16 recurrent state: loaded into fp32, stepped, stored rounded, as the reference does."""
+    from phalanx.kernels.gdn_step_triton import gdn_decode_step_split
+
+    errors = _compare(gdn_decode_step_split, 3, torch.bfloat16, torch.bfloat16)
+    errors["state_after_bf16_stages"] = errors.pop("state")
+    return errors
+
+
+def check_fused_bf16_state() -> dict[str, float]:
+    from phalanx.kernels.gdn_step_triton import gdn_decode_step_fused
+
+    errors = _compare(gdn_decode_step_fused, 20, torch.bfloat16, torch.bfloat16)
     errors["state_after_bf16_stages"] = errors.pop("state")
     return errors
 
@@ -206,14 +230,16 @@ def check_state_layout_errors_name_the_shapes() -> dict[str, float]:
     from phalanx.kernels.gdn_step_triton import check_step_states
 
     conv_state = torch.zeros(4, CONV_DIM, CONV_K - 1)
-    bf16_state = torch.zeros(4, HV, DK, DV, dtype=torch.bfloat16)
-    dtype_error = _error_text(lambda: check_step_states(conv_state, bf16_state, CONV_DIM, CONV_K))
+    fp16_state = torch.zeros(4, HV, DK, DV, dtype=torch.float16)
+    dtype_error = _error_text(lambda: check_step_states(conv_state, fp16_state, CONV_DIM, CONV_K))
     shape_error = _error_text(
         lambda: check_step_states(torch.zeros(4, 8, 3), torch.zeros(4, HV, DK, DV), CONV_DIM, CONV_K)
     )
     return {
         "dtype_text": float(
-            not dtype_error.startswith("recurrent state must be contiguous float32, got torch.bfloat16")
+            not dtype_error.startswith(
+                "recurrent state must be contiguous float32 or bfloat16, got torch.float16"
+            )
         ),
         "shape_text": float(
             shape_error != f"conv_state must be contiguous [slots, {CONV_DIM}, 3], got (4, 8, 3)"

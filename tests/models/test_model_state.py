@@ -25,6 +25,30 @@ def test_cache_sizes(tiny_model_dir: Path, model: Qwen35Model) -> None:
     # TP 4: one (replicated) KV head, 2 value heads, conv_dim 64; recurrent state stays fp32
     assert bf16_rank.kv_bytes_per_page(16) == 2 * 2 * 16 * 1 * 32 * 2
     assert bf16_rank.state_bytes_per_slot() == 2 * (2 * 16 * 16 * 4 + 64 * 3 * 2)
+    bf16_state = Qwen35Model.load(tiny_model_dir, state_dtype=torch.bfloat16)
+    assert bf16_state.state_bytes_per_slot() == 2 * (8 * 16 * 16 * 2 + 256 * 3 * 4)
+
+
+def test_a_bf16_recurrent_state_keeps_greedy_tokens_and_logits_near_fp32(tiny_model_dir: Path) -> None:
+    """The state is stored in bf16 and stepped in fp32: over a prompt and 24 decode steps the
+    logits stay within bf16 rounding of the fp32 state's, and the greedy tokens are the same."""
+    runs = {}
+    for state_dtype in (torch.float32, torch.bfloat16):
+        model = Qwen35Model.load(tiny_model_dir, state_dtype=state_dtype)
+        model.allocate_cache(num_pages_total=16, page_size=8, num_state_slots=2)
+        prompt = list(range(3, 40))
+        logits = [model.prefill(PrefillBatch.build([(prompt, 0, 1, list(range(8)))]))[0]]
+        tokens = [int(logits[-1].argmax())]
+        for step in range(24):
+            row = (tokens[-1], len(prompt) + step, 1, list(range(8)))
+            logits.append(model.decode(DecodeBatch.build([row]))[0])
+            tokens.append(int(logits[-1].argmax()))
+        assert model.layers[0].linear_attention.recurrent_state.dtype == state_dtype
+        runs[state_dtype] = tokens, torch.stack(logits)
+    (fp32_tokens, fp32_logits), (bf16_tokens, bf16_logits) = runs[torch.float32], runs[torch.bfloat16]
+    assert bf16_tokens == fp32_tokens
+    relative = (bf16_logits - fp32_logits).norm() / fp32_logits.norm()
+    assert 0 < relative < 1e-2
 
 
 def test_steps_before_allocate_cache(tiny_model_dir: Path) -> None:

@@ -33,6 +33,7 @@ class _Model:
     world_size: int = 1
     state: int = 48 * MIB
     kv_page: int = 512 * 1024
+    state_dtype: torch.dtype = torch.float32
 
     def state_bytes_per_slot(self) -> int:
         return self.state
@@ -66,8 +67,15 @@ def test_defaults_take_256_slots_and_give_the_rest_to_kv_pages(gpu: dict[str, in
     assert capacity.snapshot_slots == snapshots == 243
     assert capacity.kv_pages == (budget - states - snapshots * model.state) // model.kv_page - 1
     line = memory_line(capacity, plan, model, True, 32768)
-    assert "(256 slots)" in line and "graph buckets 1-256" in line and "activations 1.00 GiB" in line
-    assert "request states 24.05 GiB (256 slots), prefix snapshots 243 (11.39 GiB)" in line
+    assert (
+        "(256 slots, recurrent state in float32)" in line
+        and "graph buckets 1-256" in line
+        and "activations 1.00 GiB" in line
+    )
+    assert (
+        "request states 24.05 GiB (256 slots, recurrent state in float32), prefix snapshots 243 (11.39 GiB)"
+        in line
+    )
     off, _ = size_capacity(
         _limits(prefix_cache=False), model, CUDA, 0, cuda_graph=True, activations=activations
     )

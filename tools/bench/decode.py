@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from phalanx.config.replica import recurrent_state_dtype_for
 from phalanx.tools.bench.args import at_least, integer_at_least, tp_degrees
 from phalanx.tools.bench.decode_graph import graph_decode_rows, graph_table
 from phalanx.tools.bench.decode_tp import multi_rank_requested, run_tp
@@ -34,6 +35,7 @@ from phalanx.tools.bench.measure import (
 from phalanx.tools.bench.random_model import build_random_model, weight_bytes_per_step
 from phalanx.tools.geometries import GEOMETRIES, config_dict
 from phalanx.tools.host_info import host_line
+from phalanx.tools.launch_options import add_state_dtype_argument, state_dtype_setting
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -64,6 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--vs-transformers", action="store_true", help="time transformers in the same run")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights and inputs")
+    add_state_dtype_argument(parser)
     parser.add_argument(
         "--profile",
         action="store_true",
@@ -219,9 +222,12 @@ def run(args: argparse.Namespace) -> int:
     batches = [int(b) for b in args.batch.split(",") if b]
     torch.manual_seed(args.seed)
     started = time.perf_counter()
-    model = build_random_model(args.geometry, device, seed=args.seed)
+    state_name = recurrent_state_dtype_for(state_dtype_setting(args), "bfloat16")
+    state_dtype = getattr(torch, state_name)
+    model = build_random_model(args.geometry, device, seed=args.seed, state_dtype=state_dtype)
     print(
-        f"built {args.geometry} with random bf16 weights in {time.perf_counter() - started:.1f} s; "
+        f"built {args.geometry} with random bf16 weights in {time.perf_counter() - started:.1f} s, "
+        f"{state_name} recurrent state; "
         f"{weight_bytes_per_step(model) / 1e9:.2f} GB read per decode step; context {args.context}; "
         f"{kernel_settings()}"
     )

@@ -27,6 +27,7 @@ from pathlib import Path
 import structlog
 import torch
 
+from phalanx.config.replica import recurrent_state_dtype_for
 from phalanx.tools.bench.measure import (
     COPY_BANDWIDTH,
     PAGE_SIZE,
@@ -36,6 +37,7 @@ from phalanx.tools.bench.measure import (
 )
 from phalanx.tools.bench.random_model import build_sharded_model, weight_bytes_per_step
 from phalanx.tools.bench.ranks import finish_rank, host_barrier, init_rank, run_ranks
+from phalanx.tools.launch_options import state_dtype_setting
 
 TARGET_TP2_BATCH1 = 0.6  # TP scaling target: TP 2 batch-1 step time <= 0.6 x TP 1
 TARGET_GRAPH_SPEEDUP = 1.3  # graphs must pay: >= 1.3 x eager at TP 2, batch 16
@@ -60,6 +62,7 @@ class BenchSettings:
     device: str  # "cuda" or "cpu"
     warmup: int = 30  # untimed steps before each row's timed ones (``--warmup``)
     profile: bool = False  # rank 0 prints the top GPU kernels of three steps per row (CUDA)
+    recurrent_state_dtype: str = ""  # ``--mamba-ssm-cache-dtype``; "": the model's
 
 
 def _time_ms(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
@@ -137,7 +140,11 @@ def bench_rank(rank: int, world_size: int, init_method: str, settings: BenchSett
     device = init_rank(rank, world_size, init_method, settings.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     started = time.perf_counter()
-    model = build_sharded_model(settings.geometry, rank, world_size, device, dtype, settings.seed)
+    state_name = recurrent_state_dtype_for(settings.recurrent_state_dtype, str(dtype).removeprefix("torch."))
+    state_dtype = getattr(torch, state_name)
+    model = build_sharded_model(
+        settings.geometry, rank, world_size, device, dtype, settings.seed, state_dtype
+    )
     model.tp.enable_one_shot(dtype, device)  # as a serving rank does (PHALANX_ALL_REDUCE=nccl: off)
     built_s = time.perf_counter() - started
     max_batch = max(settings.batches)
@@ -247,6 +254,7 @@ def run_tp(args: argparse.Namespace) -> int:
         device=args.device,
         warmup=args.warmup,
         profile=args.profile,
+        recurrent_state_dtype=state_dtype_setting(args),
     )
     results: dict[int, dict] = {}
     with tempfile.TemporaryDirectory(prefix="phalanx-bench-tp-") as scratch:

@@ -4,8 +4,8 @@ Per batch size and path (``fused``: the single-kernel step; ``split``: the conv 
 step kernel without its conv; ``dispatch``: what ``gdn_decode_step_triton`` takes; ``copy``: a plain
 ``copy_`` of the same recurrent state bytes, the attainable figure) the step is timed inside
 a CUDA graph of ``--calls`` back-to-back calls, so Python launch cost is excluded. The calls cycle
-over enough distinct state tensors (each one layer's worth: [batch, Hv, dk, dv] fp32 plus the conv
-state) that the state streams from HBM rather than L2, as it does across a model's layers. The
+over enough distinct state tensors (each one layer's worth: [batch, Hv, dk, dv] in the
+``--mamba-ssm-cache-dtype``, plus the conv state) that the state streams from HBM rather than L2, as it does across a model's layers. The
 traffic figure is 2 x the recurrent state bytes (read once, written once) over the time per call,
 against the H200's measured 4.3 TB/s copy bandwidth. Every path runs eagerly before capture, so
 compilation and autotuning stay outside the timed graphs.
@@ -21,8 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
+from phalanx.config.replica import recurrent_state_dtype_for
 from phalanx.tools.bench.args import at_least
 from phalanx.tools.bench.measure import cuda_time_ms
+from phalanx.tools.launch_options import add_state_dtype_argument, state_dtype_setting
 
 COPY_BANDWIDTH = 4.3e12  # bytes/s, device-to-device copy measured on the H200 (read + write)
 L2_FLUSH_BYTES = 256e6  # several times the H200's 60 MB L2
@@ -57,6 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--layers", type=at_least(1), default=24, help="GDN layers per step, for the per-step column"
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights and inputs")
+    add_state_dtype_argument(parser)
 
 
 def _step_fn(path: str) -> Callable[..., torch.Tensor]:
@@ -92,13 +95,14 @@ def _state_sets(
     batch: int, args: argparse.Namespace, device: torch.device
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     hk, hv, d = args.key_heads, args.value_heads, args.head_dim
-    state_bytes = batch * hv * d * d * 4
+    state_dtype = getattr(torch, recurrent_state_dtype_for(state_dtype_setting(args), "bfloat16"))
+    state_bytes = batch * hv * d * d * state_dtype.itemsize
     count = max(1, math.ceil(L2_FLUSH_BYTES / state_bytes))
     conv_dim = 2 * hk * d + hv * d
     return [
         (
             torch.randn(batch, conv_dim, CONV_K - 1, device=device).to(torch.bfloat16),
-            torch.randn(batch, hv, d, d, device=device) * 0.1,
+            (torch.randn(batch, hv, d, d, device=device) * 0.1).to(state_dtype),
         )
         for _ in range(count)
     ]
@@ -150,7 +154,7 @@ def time_path(batch: int, path: str, args: argparse.Namespace, device: torch.dev
         batch,
         path,
         statistics.median(times),
-        batch * args.value_heads * args.head_dim**2 * 4,
+        sets[0][1].numel() * sets[0][1].element_size(),
         _tile(batch, path, args),
     )
 
@@ -197,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
             torch.cuda.empty_cache()
     print(
         f"GDN decode step, one layer: Hk {args.key_heads}, Hv {args.value_heads}, dk = dv {args.head_dim}, "
-        f"bf16 / fp32 state, CUDA graph of >= {args.calls} calls ({torch.cuda.get_device_name()})"
+        f"bf16 activations, {recurrent_state_dtype_for(state_dtype_setting(args), 'bfloat16')} state, CUDA graph of >= {args.calls} calls ({torch.cuda.get_device_name()})"
     )
     print(f"| batch | path | us / layer | state TB/s | of 4.3 TB/s | ms / {args.layers} layers | tile |")
     print("|---|---|---|---|---|---|---|")

@@ -26,7 +26,11 @@ def random_weights(config, device: torch.device, dtype: torch.dtype, seed: int) 
 
 
 def build_random_model(
-    geometry: str, device: torch.device, dtype: torch.dtype = torch.bfloat16, seed: int = 0
+    geometry: str,
+    device: torch.device,
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+    state_dtype: torch.dtype = torch.float32,
 ):
     """A ``Qwen35Model`` of the named geometry with random weights made on ``device``."""
     from phalanx.models.qwen35 import Qwen35Config, Qwen35Model
@@ -34,7 +38,7 @@ def build_random_model(
 
     config = Qwen35Config.from_dicts(config_dict(geometry), source=f"geometry {geometry}")
     weights = random_weights(config, device, dtype, seed)
-    return Qwen35Model(config, RankLayout.build(config, 0, 1), weights, device, dtype)
+    return Qwen35Model(config, RankLayout.build(config, 0, 1), weights, device, dtype, state_dtype)
 
 
 def weight_bytes_per_step(model) -> int:
@@ -83,7 +87,13 @@ def sharded_random_weights(config, layout, device: torch.device, dtype: torch.dt
 
 
 def build_sharded_model(
-    geometry: str, rank: int, world_size: int, device: torch.device, dtype: torch.dtype, seed: int
+    geometry: str,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    seed: int,
+    state_dtype: torch.dtype = torch.float32,
 ):
     """Rank ``rank`` of ``world_size`` of the named geometry's random model."""
     from phalanx.models.qwen35 import Qwen35Config, Qwen35Model
@@ -92,4 +102,4 @@ def build_sharded_model(
     config = Qwen35Config.from_dicts(config_dict(geometry), source=f"geometry {geometry}")
     layout = RankLayout.build(config, rank, world_size)
     weights = sharded_random_weights(config, layout, device, dtype, seed)
-    return Qwen35Model(config, layout, weights, device, dtype)
+    return Qwen35Model(config, layout, weights, device, dtype, state_dtype)
