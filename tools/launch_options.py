@@ -140,6 +140,11 @@ def state_dtype_setting(args: argparse.Namespace) -> str:
     return "" if args.recurrent_state_dtype == "auto" else args.recurrent_state_dtype
 
 
+def chosen_state_dtype(args: argparse.Namespace, model_dtype: str) -> str:
+    """The recurrent state's dtype name that ``--mamba-ssm-cache-dtype`` picks for a model of ``model_dtype``."""
+    return recurrent_state_dtype_for(state_dtype_setting(args), model_dtype)
+
+
 def add_prefix_cache_arguments(parser: argparse.ArgumentParser) -> None:
     """``--no-prefix-cache`` and ``--prefix-snapshots``, for serve and for a worker alike."""
     parser.add_argument(
@@ -219,7 +224,7 @@ def choose_launch(args: argparse.Namespace, model_dir: Path, max_slots: int | No
         gpu_memory_utilization=args.gpu_memory_utilization,
         prefix_cache=args.prefix_cache,
         prefix_snapshots=args.prefix_snapshots or 0,
-        recurrent_state_dtype=recurrent_state_dtype_for(state_dtype_setting(args), dtype),
+        recurrent_state_dtype=chosen_state_dtype(args, dtype),
     )
 
 

@@ -20,7 +20,6 @@ import time
 
 import torch
 
-from phalanx.config.replica import recurrent_state_dtype_for
 from phalanx.tools.bench.args import at_least, integer_at_least, tp_degrees
 from phalanx.tools.bench.decode_graph import graph_decode_rows, graph_table
 from phalanx.tools.bench.decode_tp import multi_rank_requested, run_tp
@@ -35,7 +34,7 @@ from phalanx.tools.bench.measure import (
 from phalanx.tools.bench.random_model import build_random_model, weight_bytes_per_step
 from phalanx.tools.geometries import GEOMETRIES, config_dict
 from phalanx.tools.host_info import host_line
-from phalanx.tools.launch_options import add_state_dtype_argument, state_dtype_setting
+from phalanx.tools.launch_options import add_state_dtype_argument, chosen_state_dtype
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -222,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
     batches = [int(b) for b in args.batch.split(",") if b]
     torch.manual_seed(args.seed)
     started = time.perf_counter()
-    state_name = recurrent_state_dtype_for(state_dtype_setting(args), "bfloat16")
+    state_name = chosen_state_dtype(args, "bfloat16")
     state_dtype = getattr(torch, state_name)
     model = build_random_model(args.geometry, device, seed=args.seed, state_dtype=state_dtype)
     print(

@@ -21,10 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from phalanx.config.replica import recurrent_state_dtype_for
 from phalanx.tools.bench.args import at_least
 from phalanx.tools.bench.measure import cuda_time_ms
-from phalanx.tools.launch_options import add_state_dtype_argument, state_dtype_setting
+from phalanx.tools.launch_options import add_state_dtype_argument, chosen_state_dtype
 
 COPY_BANDWIDTH = 4.3e12  # bytes/s, device-to-device copy measured on the H200 (read + write)
 L2_FLUSH_BYTES = 256e6  # several times the H200's 60 MB L2
@@ -95,7 +94,7 @@ def _state_sets(
     batch: int, args: argparse.Namespace, device: torch.device
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     hk, hv, d = args.key_heads, args.value_heads, args.head_dim
-    state_dtype = getattr(torch, recurrent_state_dtype_for(state_dtype_setting(args), "bfloat16"))
+    state_dtype = getattr(torch, chosen_state_dtype(args, "bfloat16"))
     state_bytes = batch * hv * d * d * state_dtype.itemsize
     count = max(1, math.ceil(L2_FLUSH_BYTES / state_bytes))
     conv_dim = 2 * hk * d + hv * d
@@ -201,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
             torch.cuda.empty_cache()
     print(
         f"GDN decode step, one layer: Hk {args.key_heads}, Hv {args.value_heads}, dk = dv {args.head_dim}, "
-        f"bf16 activations, {recurrent_state_dtype_for(state_dtype_setting(args), 'bfloat16')} state, CUDA graph of >= {args.calls} calls ({torch.cuda.get_device_name()})"
+        f"bf16 activations, {chosen_state_dtype(args, 'bfloat16')} state, CUDA graph of >= {args.calls} calls ({torch.cuda.get_device_name()})"
     )
     print(f"| batch | path | us / layer | state TB/s | of 4.3 TB/s | ms / {args.layers} layers | tile |")
     print("|---|---|---|---|---|---|---|")
