@@ -146,7 +146,9 @@ def conv_decode_arguments(
     return (batch, cdiv(channels, block)), args, {"num_warps": 4}
 
 
-@triton.jit
+# The token and chunk counts change with every batch; specialised on them (1, a multiple of 16)
+# the kernels would compile anew mid-serving for batch shapes that startup did not meet.
+@triton.jit(do_not_specialize=["T"])
 def _conv_prefill_kernel(
     x_ptr,
     w_ptr,
@@ -195,7 +197,7 @@ def _conv_prefill_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_chunks"])
 def _conv_prefill_state_kernel(
     x_ptr,
     state_ptr,

@@ -256,6 +256,36 @@ def test_conv1d_decode_and_prefill() -> None:
     assert torch.equal(state, state_ref)
 
 
+def test_conv1d_prefill_compiles_once_whatever_the_batch_shape() -> None:
+    """Serving meets token and chunk counts in any class (1, multiples of 16, others): after the
+    first launch none of them may compile the prefill conv kernels again."""
+    from phalanx.kernels.conv1d_triton import causal_conv1d_prefill_triton
+
+    w = rand(CONV_DIM, CONV_K, scale=0.3)
+    state = rand(70, CONV_DIM, CONV_K - 1)
+    slots = torch.randperm(70, device=DEV)
+
+    def prefill(lengths: list[int]) -> None:
+        cu = torch.tensor([0, *lengths], device=DEV).cumsum(0).to(torch.int32)
+        init = torch.ones(len(lengths), dtype=torch.bool, device=DEV)
+        causal_conv1d_prefill_triton(rand(sum(lengths), CONV_DIM), w, state, slots[: len(lengths)], cu, init)
+
+    prefill([37, 5])
+    compiled: list[str] = []
+
+    def record(**kwargs: object) -> None:
+        compiled.append(getattr(kwargs.get("fn"), "name", "?"))
+
+    saved, triton.knobs.runtime.jit_post_compile_hook = triton.knobs.runtime.jit_post_compile_hook, record
+    try:
+        for lengths in ([1], [16], [32, 16], [7, 9, 1], [64] * 16, [3] * 17):
+            prefill(lengths)
+        torch.cuda.synchronize()
+    finally:
+        triton.knobs.runtime.jit_post_compile_hook = saved
+    assert not [name for name in compiled if "conv_prefill" in name], compiled
+
+
 def gdn_inputs(tokens: int) -> tuple[torch.Tensor, ...]:
     from phalanx.kernels.gdn import gdn_gating_ref
 
