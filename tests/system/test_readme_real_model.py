@@ -103,9 +103,10 @@ def test_the_memory_and_tp_table_agrees_with_the_model_code(geometry: str) -> No
     kv_per_1k = 2 * config.num_key_value_heads * config.head_dim * full * 1024
     assert row[3] == f"{kv_per_1k * 2 // MIB} / {kv_per_1k * 4 // MIB} MiB"
     linear = config.num_hidden_layers - full
-    recurrent = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * 4
+    elements = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim
     conv = config.linear_conv_dim * (config.linear_conv_kernel_dim - 1) * 2
-    assert row[4] == f"{linear * (recurrent + conv) / MIB:.1f} MiB"
+    bf16, fp32 = (linear * (elements * size + conv) / MIB for size in (2, 4))
+    assert row[4] == f"{bf16:.1f} / {fp32:.1f} MiB"
     degrees = []
     for tp in range(1, 9):
         try:
