@@ -21,7 +21,6 @@ import torch
 from setproctitle import setproctitle
 from tqdm import tqdm
 
-from phalanx.config.replica import recurrent_state_dtype_for
 from phalanx.protocol import PROTOCOL_VERSION, ProtocolError, decode_envelope, encode
 from phalanx.protocol.auth import SECRET_ENV, rank_authenticator, rank_curve_options
 from phalanx.protocol.buckets import MAX_GRAPH_BATCH, bucket_for
@@ -85,11 +84,6 @@ def _dtype(config: WorkerConfig) -> torch.dtype:
     if config.dtype:
         return getattr(torch, config.dtype)
     return torch.bfloat16 if config.device == "cuda" else torch.float32
-
-
-def _state_dtype(config: WorkerConfig) -> torch.dtype:
-    model_dtype = str(_dtype(config)).removeprefix("torch.")
-    return getattr(torch, recurrent_state_dtype_for(config.limits.recurrent_state_dtype, model_dtype))
 
 
 # How often a rank waiting for the coordinator looks whether its handshake was refused.
@@ -162,7 +156,7 @@ def _init_distributed(config: WorkerConfig, go: Go, device: torch.device) -> Non
 
 def _startup(sock: RankSocket, config: WorkerConfig) -> tuple[StepRunner, int] | int:
     """Returns (runner, epoch) when serving may start, or an exit code."""
-    from phalanx.models.qwen35 import Qwen35Model
+    from phalanx.models.qwen35 import Qwen35Model, recurrent_state_dtype
 
     phase = "startup:handshake"
     epoch = config.epoch
@@ -183,7 +177,7 @@ def _startup(sock: RankSocket, config: WorkerConfig) -> tuple[StepRunner, int] |
                 world_size=config.world_size,
                 device=device,
                 dtype=_dtype(config),
-                state_dtype=_state_dtype(config),
+                state_dtype=recurrent_state_dtype(config.limits.recurrent_state_dtype, _dtype(config)),
                 # One bar per host is readable; CPU loads (tests, the demo) are too short to need one.
                 progress=config.device == "cuda" and config.local_rank == 0,
             )

@@ -8,6 +8,7 @@ from pathlib import Path
 import structlog
 import torch
 
+from phalanx.config.replica import recurrent_state_dtype_for
 from phalanx.kernels import ops
 from phalanx.models.qwen35.batch import DecodeBatch, PrefillBatch
 from phalanx.models.qwen35.config import Qwen35Config
@@ -22,6 +23,11 @@ from phalanx.models.qwen35.sharding import RankLayout, tensor_specs
 from phalanx.models.qwen35.weights import Checkpoint, check_tensors, read_slices
 
 log = structlog.get_logger(__name__)
+
+
+def recurrent_state_dtype(setting: str, dtype: torch.dtype) -> torch.dtype:
+    """The linear layers' state dtype for a model of ``dtype`` (``recurrent_state_dtype_for``)."""
+    return getattr(torch, recurrent_state_dtype_for(setting, str(dtype).removeprefix("torch.")))
 
 
 class Qwen35Model:

@@ -27,7 +27,6 @@ from pathlib import Path
 import structlog
 import torch
 
-from phalanx.config.replica import recurrent_state_dtype_for
 from phalanx.tools.bench.measure import (
     COPY_BANDWIDTH,
     PAGE_SIZE,
@@ -133,6 +132,7 @@ class RankRun:
 
 def bench_rank(rank: int, world_size: int, init_method: str, settings: BenchSettings, out_path: str) -> None:
     """One rank of one TP degree: build the shard, time eager (and graph) decode per batch size."""
+    from phalanx.models.qwen35 import recurrent_state_dtype
     from phalanx.worker.buckets import state_slot_layout
 
     if rank != 0:  # one rank's log lines tell the story; the others only warn
@@ -140,8 +140,7 @@ def bench_rank(rank: int, world_size: int, init_method: str, settings: BenchSett
     device = init_rank(rank, world_size, init_method, settings.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     started = time.perf_counter()
-    state_name = recurrent_state_dtype_for(settings.recurrent_state_dtype, str(dtype).removeprefix("torch."))
-    state_dtype = getattr(torch, state_name)
+    state_dtype = recurrent_state_dtype(settings.recurrent_state_dtype, dtype)
     model = build_sharded_model(
         settings.geometry, rank, world_size, device, dtype, settings.seed, state_dtype
     )
