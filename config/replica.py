@@ -122,7 +122,11 @@ class Timeouts:
     """Seconds. The spawned ranks' side of the startup and the attached ranks' liveness too."""
 
     step_timeout: float = 300.0  # one step's replies from every rank
-    startup_timeout: float = 120.0  # Ready from every rank, then dist init, then the first Ping
+    # Ready from every rank, then dist init, then the first Ping. A fresh machine compiles and
+    # autotunes every kernel of the memory profile before Ready (over 120 s for a 4B-wide model on
+    # an H200) and a large checkpoint may load from a slow disk; a rank that dies is caught at once
+    # by its exit, so this bounds only a hung one (vLLM waits 600 s for its engine core too).
+    startup_timeout: float = 600.0
     dist_init_timeout: float = 60.0  # each rank's startup watchdog (it aborts the rank)
     precapture_timeout: float = 600.0  # the decode graph pre-capture sweep's watchdog
     shutdown_timeout: float = 30.0  # Shutdown's acknowledgements, then every rank is killed

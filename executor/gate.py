@@ -32,6 +32,8 @@ log = structlog.get_logger("phalanx.executor")
 
 # The first Ping after Go carries seq 1; startup messages carry seq 0.
 FIRST_PING_SEQ = 1
+# A first start on a fresh machine compiles every kernel before Ready (minutes): the wait says so.
+WAITING_NOTICE_S = 30.0
 
 
 def effective_capacity(ready: dict[int, Ready]) -> Capacity:
@@ -120,10 +122,21 @@ def _collect_ready(link: RankLink, epoch: int, deadline: float, timeout: float) 
     world_size = len(link.ranks)
     ready: dict[int, Ready] = {}
     handshakes = _Handshakes(link, epoch)
+    started = time.monotonic()
+    next_notice = started + WAITING_NOTICE_S
     while len(ready) < world_size:
-        remaining = deadline - time.monotonic()
+        now = time.monotonic()
+        remaining = deadline - now
+        missing = [rank for rank in range(world_size) if rank not in ready]
+        if now >= next_notice and remaining > 0:
+            log.info(
+                "waiting for ranks to load, compile and profile (a fresh machine compiles every kernel once)",
+                missing_ranks=missing,
+                waited_s=round(now - started),
+                timeout_s=timeout,
+            )
+            next_notice = now + WAITING_NOTICE_S
         if remaining <= 0:
-            missing = [rank for rank in range(world_size) if rank not in ready]
             raise StartupError(
                 f"startup did not complete within {timeout:g} s: no Ready from ranks {missing}",
                 missing[0] if len(missing) == 1 else None,

@@ -6,6 +6,7 @@ launch, and the replica config they describe. Their defaults are the config tree
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,7 @@ from phalanx.config.replica import (
     ParallelConfig,
     ReplicaConfig,
     SchedulingConfig,
+    Timeouts,
     recurrent_state_dtype_for,
 )
 from phalanx.executor.model_info import ModelInfoError, read_model_info
@@ -184,6 +186,10 @@ def positive_int(text: str) -> int:
     return checked_number(text, int, lambda value: value >= 1, "a positive integer")
 
 
+def positive_float(text: str) -> float:
+    return checked_number(text, float, lambda value: 0 < value < math.inf, "a positive number")
+
+
 @dataclass(frozen=True)
 class LaunchChoice:
     """What the flags and the machine decide for a launch (see ``replica_config``)."""
@@ -281,6 +287,13 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         "sent first, so the GPU never waits for the round trip)",
     )
     parser.add_argument(
+        "--startup-timeout",
+        type=positive_float,
+        default=Timeouts.startup_timeout,
+        help="seconds the ranks may take to load, compile and profile before serving; a rank that "
+        f"dies fails the start at once (default: {Timeouts.startup_timeout:g})",
+    )
+    parser.add_argument(
         "--attach",
         metavar="tcp://HOST:PORT",
         type=_attach_address,
@@ -330,5 +343,6 @@ def replica_config(
         ),
         scheduling=SchedulingConfig(max_slots=choice.max_slots, pipeline=args.pipeline),
         log=LogConfig(args.log_level, args.log_format, args.record),
+        startup_timeout=args.startup_timeout,
         **fields,
     )

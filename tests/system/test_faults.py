@@ -303,6 +303,21 @@ def test_failed_weight_load_names_rank_and_phase(
     assert all(code not in (None, 0) for code in info.value.exit_codes.values()), info.value.exit_codes
 
 
+def test_a_rank_hung_before_ready_fails_the_start_at_the_startup_timeout_and_is_killed(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from phalanx.executor import gate
+
+    monkeypatch.setattr(gate, "WAITING_NOTICE_S", 1.0)
+    monkeypatch.setenv(faults.ENV, "1:load:hang")
+    config = ExecutorConfig(model_dir=str(tiny_model_dir), tp=2, startup_timeout=3.0, **LIMITS)
+    with _no_leftovers(monkeypatch, tmp_path), pytest.raises(StartupError) as info:
+        launch_executor(config)
+    assert str(info.value) == "startup did not complete within 3 s: no Ready from ranks [1]"
+    assert (info.value.rank, info.value.phase) == (1, "startup:load")
+    assert "waiting for ranks to load, compile and profile" in capfd.readouterr().err
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host without a CUDA GPU")
 def test_cuda_asked_for_on_a_host_without_a_gpu_says_so(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path

@@ -152,3 +152,31 @@ def test_released_and_text_only_qwen35_configs_are_accepted(tmp_path: Path) -> N
         text_config={"model_type": "qwen3_5_text", "dtype": "bfloat16"},
     )
     assert read_model_info(released).dtype == "bfloat16"
+
+
+def test_the_startup_timeout_defaults_to_600_s_and_is_carried_to_the_replica(tmp_path: Path) -> None:
+    from phalanx.tools.launch_options import add_launch_arguments, add_log_arguments, replica_config
+
+    parser = argparse.ArgumentParser()
+    for add in (add_model_arguments, add_launch_arguments, add_log_arguments):
+        add(parser)
+    model = _checkpoint(tmp_path)
+
+    def timeout(*flags: str) -> float:
+        args = parser.parse_args(["--device", "cpu", *flags])
+        config = replica_config(args, model, 1, choose_launch(args, model))
+        return config.timeouts.startup_timeout
+
+    assert (timeout(), timeout("--startup-timeout", "1500")) == (600.0, 1500.0)
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+@pytest.mark.parametrize("value", ["0", "-5", "inf", "nan", "soon"])
+def test_a_startup_timeout_that_is_not_a_positive_number_is_refused(
+    command: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    extra = ["--prompt", "x"] if command == "generate" else []
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--startup-timeout", value, *extra])
+    assert exit_info.value.code == 2
+    assert f"argument --startup-timeout: must be a positive number, got '{value}'" in capsys.readouterr().err
