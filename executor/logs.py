@@ -9,8 +9,9 @@ from phalanx.protocol.logs import configure_logging as _configure
 
 
 def configure_logging(level: str = "info", log_format: str = "console") -> None:
-    """Install the pipeline once; later calls keep the first configuration (a CLI configures it
-    before it launches a replica, the launcher after)."""
+    """Install the pipeline unless structlog is configured already: a launch from Python keeps
+    its caller's logging. The CLI installs it with its flags unconditionally
+    (``protocol.logs.configure_logging``), whatever configured structlog before."""
     if not structlog.is_configured():
         _configure(level, log_format)
 

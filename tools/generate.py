@@ -17,8 +17,8 @@ from tokenizers import Tokenizer
 from phalanx.config.replica import ParallelConfig
 from phalanx.engine.engine import Engine, ErrorEvent, FinishEvent, GenerationParams, TokenEvent
 from phalanx.executor.errors import ExecutorError
-from phalanx.executor.logs import configure_logging
 from phalanx.executor.model_info import read_model_info
+from phalanx.protocol.logs import configure_logging
 from phalanx.tools.launch_options import (
     add_launch_arguments,
     add_log_arguments,

@@ -181,7 +181,7 @@ def _model_problem(model_dir: Path, chat_template: str | None) -> str | None:
 
 def run(args: argparse.Namespace) -> int:
     from phalanx.engine.engine import Engine
-    from phalanx.executor.logs import configure_logging
+    from phalanx.protocol.logs import configure_logging
 
     configure_logging(args.log_level, args.log_format)
     model_dir, name = _model_and_name(args)

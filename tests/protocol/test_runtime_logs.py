@@ -117,3 +117,20 @@ def test_unknown_formats_and_levels_are_refused() -> None:
         configure_logging(level="loud")
     with pytest.raises(ValueError, match="log format must be one of console, json, got 'xml'"):
         ExecutorConfig(model_dir="m", log_format="xml")  # refused before a launch, configured or not
+
+
+def test_the_cli_installs_its_log_flags_over_a_structlog_configured_before(
+    captured: pytest.CaptureFixture[str],
+) -> None:
+    from structlog.testing import capture_logs
+
+    from phalanx.tools.cli import main
+
+    with capture_logs():  # leaves structlog configured, with its default pipeline on stdout
+        pass
+    argv = ["generate", "--tp", "1", "--prompt-ids", "5,6,7", "--max-tokens", "2", "--json"]
+    assert main([*argv, "--verbose", "--log-format", "json"]) == 0
+    out, err = captured.readouterr()
+    assert json.loads(out)["finish_reason"] == "length"  # stdout holds the answer alone
+    records = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
+    assert any(record["event"] == "device auto: cpu" for record in records), (out, err)
