@@ -5,6 +5,7 @@ together into one response whose choices carry their ``index`` (prompt i's sampl
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +43,31 @@ _END = object()
 async def stream(fmt: Format, choices: list[Choice], include_usage: bool) -> AsyncIterator[dict[str, Any]]:
     """Every choice's chunks as they come; a choice that fails ends the stream with its error
     (the others are cancelled when the stream closes)."""
+    dones: dict[int, Done] = {}
+    async for choice, item in _merged(fmt, choices):
+        if isinstance(item, Done):
+            dones[choice.index] = item
+        else:
+            yield fmt.envelope(fmt.chunk_object, [item])
+    if include_usage:
+        yield {
+            **fmt.envelope(fmt.chunk_object, []),
+            "usage": _usage(choices, [dones[c.index] for c in choices]),
+        }
+
+
+async def _merged(fmt: Format, choices: list[Choice]) -> AsyncIterator[tuple[Choice, Any]]:
+    """(choice, chunk or Done) of every choice, in arrival order. One choice (``n`` = 1, the
+    usual request) is read in place: a task and a queue per token cost the event loop, which
+    serves every stream, a tenth of its time at concurrency 64."""
+    if len(choices) == 1:
+        (choice,) = choices
+        async with contextlib.aclosing(
+            fmt.stream_choice(choice.index, choice.prompt_ids, choice.generation)
+        ) as items:
+            async for item in items:
+                yield choice, item
+        return
     queue: asyncio.Queue[tuple[Choice, Any]] = asyncio.Queue()
 
     async def pump(choice: Choice) -> None:
@@ -54,7 +80,6 @@ async def stream(fmt: Format, choices: list[Choice], include_usage: bool) -> Asy
             await queue.put((choice, _END))
 
     tasks = [asyncio.ensure_future(pump(choice)) for choice in choices]
-    dones: dict[int, Done] = {}
     try:
         running = len(choices)
         while running:
@@ -63,15 +88,8 @@ async def stream(fmt: Format, choices: list[Choice], include_usage: bool) -> Asy
                 running -= 1
             elif isinstance(item, Exception):
                 raise item
-            elif isinstance(item, Done):
-                dones[choice.index] = item
             else:
-                yield fmt.envelope(fmt.chunk_object, [item])
-        if include_usage:
-            yield {
-                **fmt.envelope(fmt.chunk_object, []),
-                "usage": _usage(choices, [dones[c.index] for c in choices]),
-            }
+                yield choice, item
     finally:
         for task in tasks:
             task.cancel()

@@ -1,8 +1,9 @@
 """Token ids to text, one token at a time, with stop strings matched on the text.
 
 A byte-level BPE token can end in the middle of a UTF-8 character; the decoder then yields
-U+FFFD. The incremental decoder re-decodes a short window and emits text only once it no longer
-ends in a partial character, so streamed deltas concatenate to exactly the full decode.
+U+FFFD. The incremental decoder (tokenizers' ``DecodeStream``) re-decodes a short window and emits
+text only once it no longer ends in a partial character, so streamed deltas concatenate to
+exactly the full decode.
 """
 
 from __future__ import annotations
@@ -11,8 +12,7 @@ import json
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders
-
-_PARTIAL = "\ufffd"
+from tokenizers.decoders import DecodeStream
 
 
 def _byte_level_alphabet() -> dict[str, int]:
@@ -93,28 +93,36 @@ class TextTokenizer:
 
 
 class IncrementalDetokenizer:
+    """tokenizers' ``DecodeStream`` (one call into Rust a token) over the ids that are shown:
+    special ids are skipped, as ``TextTokenizer.decode`` skips them."""
+
     def __init__(self, tokenizer: TextTokenizer) -> None:
         self._tokenizer = tokenizer
-        self._ids: list[int] = []
-        self._prefix_offset = 0
-        self._read_offset = 0
+        self._stream = DecodeStream(skip_special_tokens=False)
+        self._ids: list[int] = []  # the shown ids, for the flush
+        self._emitted = 0  # characters given so far
+        self._held = False  # the last ids gave no text yet (a partial character)
 
     def push(self, token_id: int) -> str:
         """The new text this token completes (possibly empty)."""
-        self._ids.append(token_id)
-        prefix_text = self._tokenizer.decode(self._ids[self._prefix_offset : self._read_offset])
-        new_text = self._tokenizer.decode(self._ids[self._prefix_offset :])
-        if len(new_text) <= len(prefix_text) or new_text.endswith(_PARTIAL):
+        if token_id in self._tokenizer.special_ids:
             return ""
-        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        return new_text[len(prefix_text) :]
+        self._ids.append(token_id)
+        text = self._stream.step(self._tokenizer.tokenizer, token_id)
+        self._held = text is None
+        if text is None:
+            return ""
+        self._emitted += len(text)
+        return text
 
     def flush(self) -> str:
         """Text still held back at the end of the stream (an incomplete character decodes as U+FFFD)."""
-        prefix_text = self._tokenizer.decode(self._ids[self._prefix_offset : self._read_offset])
-        new_text = self._tokenizer.decode(self._ids[self._prefix_offset :])
-        self._prefix_offset = self._read_offset = len(self._ids)
-        return new_text[len(prefix_text) :]
+        if not self._held:
+            return ""
+        self._held = False
+        text = self._tokenizer.decode(self._ids)
+        tail, self._emitted = text[self._emitted :], len(text)
+        return tail
 
 
 class StopMatcher:

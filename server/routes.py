@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
@@ -161,13 +161,19 @@ async def _collect_unless_gone(choices: list[Choice], request: Request) -> list[
 
 
 def _sse(events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
-    async def frames() -> AsyncIterator[str]:
+    async def frames() -> AsyncIterator[bytes]:
         try:
             async for event in events:
-                yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+                yield _frame(event)
         except GenerationError as e:
             kind = "invalid_request_error" if e.rejected else "server_error"
-            yield f"data: {json.dumps(error_body(str(e), kind))}\n\n"
-        yield "data: [DONE]\n\n"
+            yield _frame(error_body(str(e), kind))
+        yield b"data: [DONE]\n\n"
 
     return StreamingResponse(frames(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _frame(event: dict[str, Any]) -> bytes:
+    """One server-sent event. msgspec writes a chunk in a tenth of json.dumps's time (every token
+    of every stream passes here) and writes a non-finite float as null, which is valid JSON."""
+    return b"data: " + msgspec.json.encode(event) + b"\n\n"

@@ -122,6 +122,13 @@ def test_incremental_detokenizer_matches_full_decode(tiny_model_dir: Path) -> No
         assert all("\ufffd" not in d for d in deltas)
     assert tokenizer.decode(ids) == text  # <think> is shown: tokenizer_config marks it not special
     assert "<|im_end|>" not in tokenizer.decode([*ids, im_end])
+    emoji = tokenizer.encode("🙂", add_special_tokens=False)
+    assert len(emoji) > 1  # one character over several byte tokens
+    split = IncrementalDetokenizer(tokenizer)  # a special id between a character's bytes hides nothing
+    assert "".join([split.push(i) for i in [emoji[0], im_end, *emoji[1:]]] + [split.flush()]) == "🙂"
+    cut = IncrementalDetokenizer(tokenizer)  # a stream that ends inside a character
+    assert [cut.push(i) for i in emoji[:-1]] == [""] * (len(emoji) - 1)
+    assert cut.flush() == tokenizer.decode(emoji[:-1]) and cut.flush() == ""
 
 
 def test_token_bytes_for_logprobs(tiny_model_dir: Path) -> None:
