@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.cuda
+# A size's first run on a fresh machine compiles and autotunes all its kernels: the 4B case took
+# 313 s there (docs/benchmarks/README.md), past the suite's 300 s default.
+pytestmark = [pytest.mark.cuda, pytest.mark.timeout(900)]
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
