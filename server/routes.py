@@ -14,6 +14,7 @@ from starlette.concurrency import run_in_threadpool
 from phalanx.server.choices import Choice, response, stream
 from phalanx.server.errors import ApiError, bad_request, error_body
 from phalanx.server.generation import GenerationError
+from phalanx.server.json_body import MsgspecJsonRoute
 from phalanx.server.openai_format import (
     ChatFormat,
     Collected,
@@ -25,7 +26,7 @@ from phalanx.server.reasoning import ReasoningSplitter
 from phalanx.server.schemas import ChatCompletionRequest, CompletionRequest
 from phalanx.server.service import ServerState
 
-router = APIRouter()
+router = APIRouter(route_class=MsgspecJsonRoute)
 
 DISCONNECT_POLL_S = 0.25
 
