@@ -3,8 +3,8 @@
 Events are buffered under a lock. A sync reader waits on a condition; an async reader parks a
 future on its own event loop, which the producer wakes through that loop's ``_Wakeups`` (one
 ``call_soon_threadsafe`` for all the readers a step wakes), so any asyncio loop can consume a
-stream fed from the scheduler thread. After the final event (finish or
-error) the stream ignores anything else: a request ends exactly once.
+stream fed from the scheduler thread. After the final event (finish or error) the stream ignores
+anything else: a request ends exactly once.
 """
 
 from __future__ import annotations
