@@ -26,6 +26,15 @@ def _checkpoint(tmp_path: Path, **config: object) -> Path:
     return tmp_path
 
 
+def _refused(command: str, flag: str, value: str, capsys: pytest.CaptureFixture[str]) -> str:
+    """``phalanx COMMAND FLAG VALUE`` exits 2 (argparse's refusal); returns its stderr."""
+    extra = ["--prompt", "x"] if command == "generate" else []
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, flag, value, *extra])
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
 def test_cuda_defaults_are_graphs_all_memory_and_the_checkpoint_s_dtype(tmp_path: Path) -> None:
     model = _checkpoint(tmp_path, torch_dtype="bfloat16")
     choice = choose_launch(_args("--device", "cuda"), model)
@@ -90,12 +99,8 @@ def test_dtype_auto_is_the_checkpoint_s_16_bit_dtype_on_cuda(
 def test_a_memory_fraction_outside_0_to_1_is_refused(
     command: str, value: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    extra = ["--prompt", "x"] if command == "generate" else []
-    with pytest.raises(SystemExit) as exit_info:
-        main([command, "--gpu-memory-utilization", value, *extra])
-    assert exit_info.value.code == 2
     assert f"argument --gpu-memory-utilization: must be above 0 and at most 1, got '{value}'" in (
-        capsys.readouterr().err
+        _refused(command, "--gpu-memory-utilization", value, capsys)
     )
 
 
@@ -175,8 +180,6 @@ def test_the_startup_timeout_defaults_to_600_s_and_is_carried_to_the_replica(tmp
 def test_a_startup_timeout_that_is_not_a_positive_number_is_refused(
     command: str, value: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    extra = ["--prompt", "x"] if command == "generate" else []
-    with pytest.raises(SystemExit) as exit_info:
-        main([command, "--startup-timeout", value, *extra])
-    assert exit_info.value.code == 2
-    assert f"argument --startup-timeout: must be a positive number, got '{value}'" in capsys.readouterr().err
+    assert f"argument --startup-timeout: must be a positive number, got '{value}'" in (
+        _refused(command, "--startup-timeout", value, capsys)
+    )
