@@ -6,6 +6,7 @@ import argparse
 import itertools
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import msgspec
 import pytest
@@ -38,6 +39,7 @@ from phalanx.protocol import (
     encode,
     pack_ids,
 )
+from phalanx.protocol import trace as trace_module
 from phalanx.protocol.trace import open_trace, read_trace
 from phalanx.scheduler.requests import Request
 from phalanx.scheduler.scheduler import Scheduler
@@ -111,6 +113,40 @@ def test_stats_counts_and_latency(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert "  decode     rank 0   n=2 " in out and "  decode     rank 1   n=2 " in out
     assert "  prefill    n=1 " in out
     assert "incomplete steps=0" in out and "undecodable frames=0 torn_bytes=0" in out
+
+
+def test_stats_decode_cadence_shows_when_the_ranks_waited(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Pipelined decode steps sent 4 ms ahead of the previous reply, then one sent 5 ms after it:
+    the lead's low tail shows the wait; the prefill before them is not part of the cadence."""
+    # (ms, seq, what): startup and a prefill, then decode steps 2..6
+    events = [(-9, 0, "ready"), (-8, 0, "go"), (-7, 1, "prefill"), (-4, 1, "prefill_done")]
+    events += [(0, 2, "send"), (1, 3, "send"), (5, 2, "reply"), (6, 4, "send"), (10, 3, "reply")]
+    events += [(11, 5, "send"), (15, 4, "reply"), (20, 5, "reply"), (25, 6, "send"), (30, 6, "reply")]
+    clock = iter(ms * 1_000_000 for ms, _, _ in events)
+    monkeypatch.setattr(trace_module, "time", SimpleNamespace(time=lambda: 0.0, time_ns=lambda: next(clock)))
+    row = DecodeRow(3, 0, FED_TOKEN, 4, pack_ids([0]))
+    frames = {
+        "ready": lambda seq: _reply(0, seq, Ready(CAP, "cpu", 1, "host")),
+        "go": lambda seq: _cmd(seq, Go(CAP, "tcp://127.0.0.1:1", "gloo")),
+        "prefill": lambda seq: _cmd(seq, Prefill([PrefillChunk(3, pack_ids([1]), 0, pack_ids([0]), True)])),
+        "prefill_done": lambda seq: _reply(0, seq, PrefillDone([TokenResult(3, 7)])),
+        "send": lambda seq: _cmd(seq, Decode([row])),
+        "reply": lambda seq: _reply(0, seq, DecodeDone([TokenResult(3, 1)])),
+    }
+    path = tmp_path / "a.trace"
+    with open_trace(path, epoch=EPOCH, world_size=1) as w:
+        for _, seq, what in events:
+            frame = frames[what](seq)
+            w.sent(frame) if what in ("go", "prefill", "send") else w.received(frame)
+    assert phalanx(["replay", "stats", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "decode cadence (back-to-back decode steps):" in out
+    assert "  send interval  n=4      p50=    5.000ms" in out  # 1, 5, 5, 14
+    assert "  reply interval n=4      p50=    5.000ms" in out  # 5, 5, 5, 10
+    assert "  lead (sent before the previous step's reply) n=4      p50=    4.000ms" in out
+    assert "min=   -5.000ms" in out
 
 
 def test_stats_reports_an_unanswered_step_and_torn_tail(
