@@ -138,8 +138,10 @@ def test_stats_decode_cadence_shows_when_the_ranks_waited(
     path = tmp_path / "a.trace"
     with open_trace(path, epoch=EPOCH, world_size=1) as w:
         for _, seq, what in events:
-            frame = frames[what](seq)
-            w.sent(frame) if what in ("go", "prefill", "send") else w.received(frame)
+            if what in ("go", "prefill", "send"):
+                w.sent(frames[what](seq))
+            else:
+                w.received(frames[what](seq))
     assert phalanx(["replay", "stats", str(path)]) == 0
     out = capsys.readouterr().out
     assert "decode cadence (back-to-back decode steps):" in out

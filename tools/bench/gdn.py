@@ -6,9 +6,8 @@ step kernel without its conv; ``dispatch``: what ``gdn_decode_step_triton`` take
 a CUDA graph of ``--calls`` back-to-back calls, so Python launch cost is excluded. The calls cycle
 over enough distinct state tensors (each one layer's worth: [batch, Hv, dk, dv] in the
 ``--mamba-ssm-cache-dtype``, plus the conv state) that the state streams from HBM rather than L2,
-as it does across a model's layers. The
-traffic figure is 2 x the recurrent state bytes (read once, written once) over the time per call,
-against the H200's measured 4.3 TB/s copy bandwidth. Every path runs eagerly before capture, so
+as it does across a model's layers. The traffic figure is 2 x the recurrent state bytes (read
+once, written once) over the time per call, against the H200's measured 4.3 TB/s copy bandwidth. Every path runs eagerly before capture, so
 compilation and autotuning stay outside the timed graphs.
 """
 
