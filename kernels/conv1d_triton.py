@@ -167,34 +167,51 @@ def _conv_prefill_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
+    """conv + SiLU of BLOCK_T tokens by BLOCK_C channels. The x rows' addresses need no chunk
+    bounds, so their loads go out with the tokens' chunk starts, not after them; a tap before its
+    chunk's start is zeroed. Only a tile holding one of a chunk's first K - 1 tokens, in a chunk
+    that continues a stored state, gathers stored conv inputs: that gather is a scalar load per
+    element and tap (the state is [C, K - 1] per slot), more instructions than the x loads of any
+    tile, and at prefill sizes one tile in hundreds needs it. That tile sums its taps as
+    ``w * (x + stored)`` in tap order, the others ``w * x``: the same sums either way."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     ch = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     t_mask = t < T
     c_mask = ch < C
+    tile_mask = t_mask[:, None] & c_mask[None, :]
     chunk = tl.load(chunk_of_ptr + t, mask=t_mask, other=0)
     bos = tl.load(cu_ptr + chunk, mask=t_mask, other=0)
-    slot = tl.load(slots_ptr + chunk, mask=t_mask, other=0)
-    has_init = tl.load(init_ptr + chunk, mask=t_mask, other=0) != 0
     acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
     for j in tl.static_range(K):
-        local = t - bos - (K - 1) + j  # the tap's position inside the chunk
+        source = t - (K - 1) + j
         w = tl.load(w_ptr + ch * K + j, mask=c_mask, other=0.0).to(tl.float32)
-        in_chunk = (local >= 0)[:, None] & t_mask[:, None] & c_mask[None, :]
-        xv = tl.load(x_ptr + (t - (K - 1) + j)[:, None] * stride_x + ch[None, :], mask=in_chunk, other=0.0)
-        from_state = ((local < 0) & has_init & t_mask)[:, None] & c_mask[None, :]
-        col = (K - 1) + local
-        sv = tl.load(
-            state_ptr + slot[:, None] * stride_slot + ch[None, :] * (K - 1) + col[:, None],
-            mask=from_state,
+        xv = tl.load(
+            x_ptr + source[:, None] * stride_x + ch[None, :],
+            mask=(source >= 0)[:, None] & tile_mask,
             other=0.0,
         )
-        acc += w[None, :] * (xv.to(tl.float32) + sv.to(tl.float32))
+        acc += w[None, :] * tl.where((source >= bos)[:, None], xv.to(tl.float32), 0.0)
+    near_start = t_mask & (t - bos < K - 1)
+    from_state = near_start & (tl.load(init_ptr + chunk, mask=near_start, other=0) != 0)
+    if tl.max(from_state.to(tl.int32), axis=0) > 0:
+        slot = tl.load(slots_ptr + chunk, mask=from_state, other=0)
+        acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+        for j in tl.static_range(K):
+            local = t - bos - (K - 1) + j  # the tap's position inside the chunk
+            w = tl.load(w_ptr + ch * K + j, mask=c_mask, other=0.0).to(tl.float32)
+            in_chunk = (local >= 0)[:, None] & tile_mask
+            xv = tl.load(
+                x_ptr + (t - (K - 1) + j)[:, None] * stride_x + ch[None, :], mask=in_chunk, other=0.0
+            )
+            stored = (from_state & (local < 0))[:, None] & c_mask[None, :]
+            sv = tl.load(
+                state_ptr + slot[:, None] * stride_slot + ch[None, :] * (K - 1) + ((K - 1) + local)[:, None],
+                mask=stored,
+                other=0.0,
+            )
+            acc += w[None, :] * (xv.to(tl.float32) + sv.to(tl.float32))
     y = acc * tl.sigmoid(acc)
-    tl.store(
-        y_ptr + t[:, None] * stride_y + ch[None, :],
-        y.to(y_ptr.dtype.element_ty),
-        mask=t_mask[:, None] & c_mask[None, :],
-    )
+    tl.store(y_ptr + t[:, None] * stride_y + ch[None, :], y.to(y_ptr.dtype.element_ty), mask=tile_mask)
 
 
 @triton.jit(do_not_specialize=["n_chunks"])
@@ -243,6 +260,9 @@ def _conv_prefill_state_kernel(
         tl.store(row + j, xv.to(state_ptr.dtype.element_ty) + sv, mask=c_mask)
 
 
+# (tokens, channels) of a prefill conv program: the fastest of the tiles tried on the H200 for 4,096
+# fresh tokens and sixteen 512-token prompts (docs/benchmarks/kernel-choices-h200.md).
+PREFILL_TILE = (32, 128)
 # A prefill launches these once per linear-attention layer: the cheaper launch path (kernels/launch.py).
 _conv_prefill_launch = FastLaunch(_conv_prefill_kernel)
 _conv_prefill_state_launch = FastLaunch(_conv_prefill_state_kernel)
@@ -280,7 +300,7 @@ def causal_conv1d_prefill_triton(
             cu[1:], torch.arange(tokens, device=device, dtype=torch.int32), right=True
         )
         chunk_of = chunk_of.to(torch.int32)
-    block_t, block_c = 16, 256
+    block_t, block_c = PREFILL_TILE
     grid = (cdiv(tokens, block_t), cdiv(channels, block_c))
     _conv_prefill_launch(
         grid,

@@ -202,14 +202,20 @@ def check_conv1d_prefill() -> dict[str, float]:
     from phalanx.kernels.conv1d_triton import causal_conv1d_prefill_triton
 
     x, w = _rand(20, 24), _rand(24, 4, scale=0.5)
-    state = _rand(5, 24, 3)
-    state_ref = state.clone()
     slots = torch.tensor([3, 1, 0, 4])
     cu = torch.tensor([0, 5, 7, 8, 20], dtype=torch.int32)  # lengths 5, 2, 1, 12: short handoffs
-    init = torch.tensor([False, True, True, False])
-    y = causal_conv1d_prefill_triton(x, w, state, slots, cu, init)
-    y_ref = causal_conv1d_prefill_ref(x, w, state_ref, slots, cu, init)
-    return {"y": _rel(y, y_ref), "state": _rel(state, state_ref)}
+    errors = {}
+    # Some chunks continue a stored state (their tile gathers it); then fresh prompts only, whose
+    # tiles zero the taps before each chunk's start without that gather.
+    for name, init in (("resumed", [False, True, True, False]), ("fresh", [False] * 4)):
+        state = _rand(5, 24, 3)
+        state_ref = state.clone()
+        has_init = torch.tensor(init)
+        y = causal_conv1d_prefill_triton(x, w, state, slots, cu, has_init)
+        y_ref = causal_conv1d_prefill_ref(x, w, state_ref, slots, cu, has_init)
+        errors[f"y_{name}"] = _rel(y, y_ref)
+        errors[f"state_{name}"] = _rel(state, state_ref)
+    return errors
 
 
 def check_conv1d_prefill_captures() -> dict[str, float]:
