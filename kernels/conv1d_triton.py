@@ -146,6 +146,18 @@ def conv_decode_arguments(
     return (batch, cdiv(channels, block)), args, {"num_warps": 4}
 
 
+@triton.jit
+def _tap_in_chunk(x_ptr, w_ptr, t, ch, bos, tile_mask, c_mask, stride_x, j, K: tl.constexpr):
+    """Tap j of tokens t: the channels' weights, and the inputs (fp32) it reads, zero where the tap
+    falls before the token's chunk (``bos``, its first token) or before the batch."""
+    source = t - (K - 1) + j
+    w = tl.load(w_ptr + ch * K + j, mask=c_mask, other=0.0).to(tl.float32)
+    xv = tl.load(
+        x_ptr + source[:, None] * stride_x + ch[None, :], mask=(source >= 0)[:, None] & tile_mask, other=0.0
+    )
+    return w, tl.where((source >= bos)[:, None], xv.to(tl.float32), 0.0)
+
+
 # The token and chunk counts change with every batch; specialised on them (1, a multiple of 16)
 # the kernels would compile anew mid-serving for batch shapes that startup did not meet.
 @triton.jit(do_not_specialize=["T"])
@@ -183,33 +195,23 @@ def _conv_prefill_kernel(
     bos = tl.load(cu_ptr + chunk, mask=t_mask, other=0)
     acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
     for j in tl.static_range(K):
-        source = t - (K - 1) + j
-        w = tl.load(w_ptr + ch * K + j, mask=c_mask, other=0.0).to(tl.float32)
-        xv = tl.load(
-            x_ptr + source[:, None] * stride_x + ch[None, :],
-            mask=(source >= 0)[:, None] & tile_mask,
-            other=0.0,
-        )
-        acc += w[None, :] * tl.where((source >= bos)[:, None], xv.to(tl.float32), 0.0)
+        w, xv = _tap_in_chunk(x_ptr, w_ptr, t, ch, bos, tile_mask, c_mask, stride_x, j, K)
+        acc += w[None, :] * xv
     near_start = t_mask & (t - bos < K - 1)
     from_state = near_start & (tl.load(init_ptr + chunk, mask=near_start, other=0) != 0)
     if tl.max(from_state.to(tl.int32), axis=0) > 0:
         slot = tl.load(slots_ptr + chunk, mask=from_state, other=0)
         acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
         for j in tl.static_range(K):
+            w, xv = _tap_in_chunk(x_ptr, w_ptr, t, ch, bos, tile_mask, c_mask, stride_x, j, K)
             local = t - bos - (K - 1) + j  # the tap's position inside the chunk
-            w = tl.load(w_ptr + ch * K + j, mask=c_mask, other=0.0).to(tl.float32)
-            in_chunk = (local >= 0)[:, None] & tile_mask
-            xv = tl.load(
-                x_ptr + (t - (K - 1) + j)[:, None] * stride_x + ch[None, :], mask=in_chunk, other=0.0
-            )
             stored = (from_state & (local < 0))[:, None] & c_mask[None, :]
             sv = tl.load(
                 state_ptr + slot[:, None] * stride_slot + ch[None, :] * (K - 1) + ((K - 1) + local)[:, None],
                 mask=stored,
                 other=0.0,
             )
-            acc += w[None, :] * (xv.to(tl.float32) + sv.to(tl.float32))
+            acc += w[None, :] * (xv + sv.to(tl.float32))
     y = acc * tl.sigmoid(acc)
     tl.store(y_ptr + t[:, None] * stride_y + ch[None, :], y.to(y_ptr.dtype.element_ty), mask=tile_mask)
 
