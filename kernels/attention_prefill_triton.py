@@ -160,8 +160,8 @@ def _merge_kernel(
 _prefill_launch = FastLaunch(_prefill_kernel)
 _merge_launch = FastLaunch(_merge_kernel)
 
-# 16 splits bring a prefix hit's 16 programs (one query block, 16 heads at the 4B geometry) past the
-# H200's 132 SMs; more would only add partials to merge (docs/benchmarks/kernel-choices-h200.md)
+# More splits than it takes to fill the GPU once only add partials to merge: a prefix hit's 128 new
+# tokens over 4,224 keys, 43.7 us a layer at 16 splits, 34.2 at 8 (docs/benchmarks/kernel-choices-h200.md)
 _MAX_SPLITS = 16
 # A program's tile: 128 queries by 64 keys on 8 warps, 2.6x the throughput of 64 by 32 at 4,096
 # tokens on the H200; a split launch takes one more pipeline stage (kernel-choices-h200.md).
@@ -171,13 +171,13 @@ _WARPS = 8
 
 
 def prefill_splits(tokens: int, heads: int) -> int:
-    """Key splits per query block: enough programs to fill the GPU four times over, a power of two
-    up to 16. The batch's query blocks are counted as if its ``tokens`` made one chunk (padding
-    chunks and short chunks hold little work). Taken from launch sizes only (never from a prefix's
+    """Key splits per query block: enough programs to fill the GPU once, a power of two up to 16.
+    The batch's query blocks are counted as if its ``tokens`` made one chunk (padding chunks and
+    short chunks hold little work). Taken from launch sizes only (never from a prefix's
     length, which lives on the device), so a prefill graph's bucket and the same padded batch run
     eagerly cut the keys alike."""
     programs = max(cdiv(tokens, _BLOCK_M) * heads, 1)
-    want = max(4 * _SMS // programs, 1)
+    want = max(_SMS // programs, 1)
     return min(1 << (want.bit_length() - 1), _MAX_SPLITS)
 
 

@@ -26,7 +26,7 @@ from phalanx.kernels.gdn_triton import (
     softplus_gate,
 )
 from phalanx.kernels.launch import FastLaunch, next_pow2
-from phalanx.kernels.varlen import GDN_CHUNK, Varlen
+from phalanx.kernels.varlen import GDN_CHUNK, StateCaptures, Varlen
 
 
 @functools.cache
@@ -201,6 +201,91 @@ def gdn_chunk_inputs_triton(
     return q, k, v, g, beta
 
 
+@triton.jit
+def _gather_states_kernel(
+    state_ptr, slots_ptr, keep_ptr, out_ptr, SIZE, MASKED: tl.constexpr, BLOCK: tl.constexpr
+):
+    """out[n] = state[slots[n]] in fp32; zeros where ``keep[n]`` is False (``MASKED``)."""
+    n = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < SIZE
+    slot = tl.load(slots_ptr + n).to(tl.int64)
+    x = tl.load(state_ptr + slot * SIZE + offs, mask=mask, other=0.0).to(tl.float32)
+    if MASKED:
+        x = tl.where(tl.load(keep_ptr + n) != 0, x, 0.0)
+    tl.store(out_ptr + n * SIZE + offs, x, mask=mask)
+
+
+@triton.jit
+def _store_states_kernel(
+    final_ptr, chunk_states_ptr, slots_ptr, capture_chunks_ptr, capture_slots_ptr, state_ptr, N, SIZE,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Rows below N: chunk r's final state into state[slots[r]]; the others: capture c = r - N, the
+    state at the start of fla-core chunk ``capture_chunks[c]`` into state[capture_slots[c]]."""
+    r = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < SIZE
+    if r < N:
+        src = final_ptr + r * SIZE
+        slot = tl.load(slots_ptr + r).to(tl.int64)
+    else:
+        src = chunk_states_ptr + tl.load(capture_chunks_ptr + r - N).to(tl.int64) * SIZE
+        slot = tl.load(capture_slots_ptr + r - N).to(tl.int64)
+    x = tl.load(src + offs, mask=mask)
+    tl.store(state_ptr + slot * SIZE + offs, x.to(state_ptr.dtype.element_ty), mask=mask)
+
+
+_gather_states_launch = FastLaunch(_gather_states_kernel)
+_store_states_launch = FastLaunch(_store_states_kernel)
+_STATE_BLOCK = 4096  # state elements a program moves
+
+
+def _check_contiguous(state: torch.Tensor) -> None:
+    if not state.is_contiguous():
+        raise ValueError(f"the recurrent state pool must be contiguous, got strides {state.stride()}")
+
+
+def gather_initial_states(
+    state: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor | None
+) -> torch.Tensor:
+    """fla-core's initial states [n, ...] in fp32: each chunk's slot of ``state`` ([slots, Hv, dk,
+    dv], contiguous), zeros for the chunks ``keep`` (bool [n], None: all kept) marks fresh. One
+    launch for what index_select, a cast and a mask took three (and their gaps) per layer."""
+    _check_contiguous(state)
+    size = state[0].numel()
+    out = torch.empty((slots.shape[0], *state.shape[1:]), dtype=torch.float32, device=state.device)
+    _gather_states_launch(
+        (slots.shape[0], triton.cdiv(size, _STATE_BLOCK)),
+        state, slots, slots if keep is None else keep, out, size, keep is not None, _STATE_BLOCK,
+        num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def store_final_states(
+    state: torch.Tensor,
+    slots: torch.Tensor,
+    final: torch.Tensor,
+    chunk_states: torch.Tensor,
+    captures: StateCaptures | None,
+) -> None:
+    """The chunks' final states (fp32 [n, ...]) into their slots and the captures' states (taken
+    from ``chunk_states``, fp32 [fla-core chunks, ...]) into theirs, in ``state``'s dtype: one launch
+    for five (index_select, two casts, two index_copy)."""
+    _check_contiguous(state)
+    size = state[0].numel()
+    rows = slots.shape[0] + (0 if captures is None else captures.slots.shape[0])
+    capture_chunks, capture_slots = (
+        (slots, slots) if captures is None else (captures.gdn_chunks, captures.slots)
+    )
+    _store_states_launch(
+        (rows, triton.cdiv(size, _STATE_BLOCK)),
+        final, chunk_states, slots, capture_chunks, capture_slots, state, slots.shape[0], size, _STATE_BLOCK,
+        num_warps=4,
+    )  # fmt: skip
+
+
 def _fla_chunk_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -263,20 +348,13 @@ def gdn_prefill_triton(
     inputs = gdn_chunk_inputs_triton(mixed, a, b, A_log, dt_bias, key_heads, key_dim, varlen, RCP_LN2)
     slots = state_slots.to(mixed.device)
     initial = None  # every chunk starts a prompt: fla-core starts from zeros without a gather
-    if varlen.continues:
-        initial = state.index_select(0, slots).float()
-        if not varlen.continues_all:  # the fresh chunks' slots may hold an old request's state
-            keep = has_initial_state.to(device=mixed.device, dtype=torch.bool)
-            initial *= keep[:, None, None, None]
+    if varlen.continues:  # the fresh chunks' slots may hold an old request's state: masked
+        keep = None if varlen.continues_all else has_initial_state.to(device=mixed.device, dtype=torch.bool)
+        initial = gather_initial_states(state, slots, keep)
     # fp32 operands: with bf16 ones fla's WY intermediates are bf16 and the final state drifts
     # ~2e-3 from the fp32 recurrence; in fp32 (tf32 products) it stays within 1e-3.
     o, final, chunk_states = _fla_chunk_forward(
         *(t.unsqueeze(0) for t in inputs), key_dim**-0.5, initial, varlen
     )
-    captures = varlen.captures
-    if captures is not None:
-        state.index_copy_(
-            0, captures.slots, chunk_states[0].index_select(0, captures.gdn_chunks).to(state.dtype)
-        )
-    state.index_copy_(0, slots, final.to(state.dtype))
+    store_final_states(state, slots, final, chunk_states[0], varlen.captures)
     return o.squeeze(0).to(mixed.dtype)

@@ -6,7 +6,8 @@ would for the same tuning key, with the launch worked out once instead of on eve
 - A key the race gave to Triton launches its tuned kernel through ``FastLaunch.bind``.
 - A key the race gave to cuBLAS calls ``torch.mm`` on the weight's transpose, made once: at batch
   64 cuBLAS answers 64 calls a step, whose host time the general op's checks would dominate
-  (measured: docs/benchmarks/kernel-choices-h200.md).
+  (measured: docs/benchmarks/kernel-choices-h200.md). So do rows past Triton's (``ops.triton_linear_rows``),
+  whose tuning key is the widest Triton bucket's: a race won by Triton at 64 rows says nothing of 128.
 - A pre-normed linear over one row (K up to ``NORMED_MAX_K``) is the pre-normed GEMV. Over more
   rows it is the general path's pair: the bound norm kernel (``norms_triton.bind_rms_norm``),
   then the bound linear of the normed rows, whose own key the race decided.
@@ -18,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from phalanx.kernels import linear_gemv_triton
+from phalanx.kernels import linear_gemv_triton, ops
 from phalanx.kernels import linear_triton as lt
 from phalanx.kernels.activation_triton import silu_and_mul_triton
 from phalanx.kernels.norms_triton import bind_rms_norm
@@ -59,7 +60,7 @@ def _bind_plain(
     m = x.shape[0]
     y_dtype = x.dtype if out_dtype is None else out_dtype
     key = lt._tuning_key(x, n_out, silu_mul, None, y_dtype)
-    if lt._cublas_faster.get(key):
+    if lt._cublas_faster.get(key) or not ops.triton_linear_rows(m):
         return _bind_cublas(w, silu_mul, y_dtype)
     if not _tuned(key):
         return None

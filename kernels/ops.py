@@ -106,10 +106,16 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return silu_and_mul_ref(x)
 
 
+def triton_linear_rows(rows: int) -> bool:
+    """Whether a linear over ``rows`` rows is Triton's (dtype and layout allowing), else cuBLAS's;
+    a bound linear (``kernels/linear_bind_triton.py``) follows the same rule."""
+    return LINEAR_BACKEND == "triton" or (LINEAR_BACKEND != "cublas" and rows <= LINEAR_TRITON_MAX_M)
+
+
 def _triton_linear(x: torch.Tensor, w: torch.Tensor) -> bool:
-    if LINEAR_BACKEND == "cublas" or x.dtype not in _TRITON_LINEAR_DTYPES or w.stride(-1) != 1:
+    if x.dtype not in _TRITON_LINEAR_DTYPES or w.stride(-1) != 1:
         return False
-    return LINEAR_BACKEND == "triton" or x.shape[0] <= LINEAR_TRITON_MAX_M
+    return triton_linear_rows(x.shape[0])
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

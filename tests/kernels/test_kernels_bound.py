@@ -75,6 +75,35 @@ def _cublas_case() -> dict[str, float]:
     }
 
 
+def _wide_rows_case() -> dict[str, float]:
+    """Rows past Triton's (``ops.triton_linear_rows``) share the widest Triton bucket's tuning key,
+    but the general op runs them on cuBLAS: so does their binding, whatever the key's race said."""
+    from phalanx.kernels import linear_bind_triton as lb
+    from phalanx.kernels import ops
+    from phalanx.kernels.activation_triton import silu_and_mul_triton
+    from phalanx.kernels.norms_triton import rms_norm_triton
+
+    m = ops.LINEAR_TRITON_MAX_M + 1
+    w, w_gate_up = _rand(37, 100, scale=0.1), _rand(74, 100, scale=0.1)
+    first, x, residual = _rand(m, 100), _rand(m, 100), _rand(m, 100)
+    kernel_binds = []
+    bind_kernel = lb._bind_kernel
+    lb._bind_kernel = lambda *args: kernel_binds.append(args) or bind_kernel(*args)
+    try:
+        plain = lb.bind_linear(first, w)
+        normed = lb.bind_linear(first, w_gate_up, silu_mul=True, norm=(None, 1e-6, residual))
+    finally:
+        lb._bind_kernel = bind_kernel
+    y, h = normed(x, residual)
+    normed_ref, h_ref = rms_norm_triton(x, None, 1e-6, residual)
+    return {
+        "triton_kernel_bound": float(len(kernel_binds)),
+        "plain": _mismatch(plain(x, None)[0], torch.mm(x, w.t())),
+        "normed_fused": _mismatch(y, silu_and_mul_triton(torch.mm(normed_ref, w_gate_up.t()))),
+        "normed_fused_h": _mismatch(h, h_ref),
+    }
+
+
 def _gdn_case(batch: int) -> dict[str, float]:
     from phalanx.kernels.gdn_step_triton import bind_gdn_decode_step, gdn_decode_step_split
     from tests.kernels.test_kernels_gdn_split import _step_inputs
@@ -157,6 +186,7 @@ CASES = {
     "linear_m1": lambda: _linear_case(1),
     "linear_m3": lambda: _linear_case(3),
     "linear_cublas": _cublas_case,
+    "linear_wide_rows": _wide_rows_case,
     "gdn_b1": lambda: _gdn_case(1),
     "gdn_b3": lambda: _gdn_case(3),
     "attention": lambda: _attention_case(False),

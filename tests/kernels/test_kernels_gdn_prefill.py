@@ -80,6 +80,38 @@ def check_gdn_prefill_without_fla() -> dict[str, float]:
     return errors
 
 
+def check_state_gather_and_store() -> dict[str, float]:
+    """fla-core's initial states gathered from the pool (zeros for fresh chunks) and the final and
+    captured states stored back, against torch's index ops; slots past one program's block."""
+    from phalanx.kernels.gdn_prefill_triton import gather_initial_states, store_final_states
+    from phalanx.kernels.varlen import Varlen
+
+    pool = _rand(7, 4, 32, 40)  # 5,120 elements a slot: two programs each
+    slots, keep = torch.tensor([4, 1, 6]), torch.tensor([True, False, True])
+    kept = pool[slots].float()
+    masked = kept * keep[:, None, None, None]
+    gathered, all_kept = gather_initial_states(pool, slots, keep), gather_initial_states(pool, slots, None)
+    # fla-core chunks 3 + 1 + 1: the captures after 64 and 128 tokens of chunk 0 start its 2nd and 3rd
+    varlen = Varlen.build([130, 64, 5], [0, 16, 0], torch.device("cpu"), [(0, 64, 2), (0, 128, 3)])
+    # bf16 values in fp32: the interpreter rounds a cast to bf16 toward zero, the GPU to nearest
+    final, chunk_states = _rand(3, 4, 32, 40).float(), _rand(5, 4, 32, 40).float()
+    captures = varlen.captures
+    stored = pool.clone()
+    stored[captures.slots] = chunk_states[captures.gdn_chunks].to(pool.dtype)
+    stored[slots] = final.to(pool.dtype)
+    store_final_states(pool, slots, final, chunk_states, captures)
+    fp32_pool = torch.randn(7, 4, 32, 40)
+    fp32_stored = fp32_pool.clone()
+    fp32_stored[slots] = final
+    store_final_states(fp32_pool, slots, final, chunk_states, None)
+    return {
+        "gathered_masked": float(not torch.equal(gathered, masked)),
+        "gathered_all_kept": float(not torch.equal(all_kept, kept)),
+        "stored": float(not torch.equal(pool, stored)),
+        "stored_fp32_without_captures": float(not torch.equal(fp32_pool, fp32_stored)),
+    }
+
+
 CHECKS: dict[str, Callable[[], dict[str, float]]] = {
     name.removeprefix("check_"): fn for name, fn in list(globals().items()) if name.startswith("check_")
 }
@@ -92,6 +124,10 @@ TOLERANCE = {
     "beta": 1e-5,
     "state_recurrent": 1e-3,
     "state_captured": 1e-3,
+    "gathered_masked": 0.0,
+    "gathered_all_kept": 0.0,
+    "stored": 0.0,
+    "stored_fp32_without_captures": 0.0,
 }
 DEFAULT_TOLERANCE = 1e-2
 

@@ -413,9 +413,10 @@ def test_prefill_attention_refuses_a_split_count_not_a_power_of_two_up_to_16(spl
 @pytest.mark.parametrize(
     ("tokens", "heads", "splits"),
     [
-        (128, 16, 16),  # a prefix hit's 128 new tokens at the 4B geometry: 16 programs alone
-        (256, 16, 16),  # a hit's 200 new tokens in its prefill graph, beside a 56-token padding chunk
-        (512, 16, 8),  # a fresh 512-token prompt
+        (128, 16, 8),  # a prefix hit's 128 new tokens at the 4B geometry: 16 programs alone
+        (256, 16, 4),  # a hit's 200 new tokens in its prefill graph, beside a 56-token padding chunk
+        (512, 16, 2),  # a fresh 512-token prompt
+        (128, 4, 16),  # four heads (a TP 4 shard of the 4B): 4 programs, 33 wanted, 16 at most
         (4096, 16, 1),  # a 4,096-token prompt fills the GPU by itself
         (16 * 512, 16, 1),  # sixteen 512-token prompts in one pass
         (1, 1, 16),  # never more than 16
