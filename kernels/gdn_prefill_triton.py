@@ -241,18 +241,13 @@ _store_states_launch = FastLaunch(_store_states_kernel)
 _STATE_BLOCK = 4096  # state elements a program moves
 
 
-def _check_contiguous(state: torch.Tensor) -> None:
-    if not state.is_contiguous():
-        raise ValueError(f"the recurrent state pool must be contiguous, got strides {state.stride()}")
-
-
 def gather_initial_states(
     state: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor | None
 ) -> torch.Tensor:
     """fla-core's initial states [n, ...] in fp32: each chunk's slot of ``state`` ([slots, Hv, dk,
     dv], contiguous), zeros for the chunks ``keep`` (bool [n], None: all kept) marks fresh. One
     launch for what index_select, a cast and a mask took three (and their gaps) per layer."""
-    _check_contiguous(state)
+    _check_recurrent_state(state, *state.shape[1:])
     size = state[0].numel()
     out = torch.empty((slots.shape[0], *state.shape[1:]), dtype=torch.float32, device=state.device)
     _gather_states_launch(
@@ -273,7 +268,7 @@ def store_final_states(
     """The chunks' final states (fp32 [n, ...]) into their slots and the captures' states (taken
     from ``chunk_states``, fp32 [fla-core chunks, ...]) into theirs, in ``state``'s dtype: one launch
     for five (index_select, two casts, two index_copy)."""
-    _check_contiguous(state)
+    _check_recurrent_state(state, *state.shape[1:])
     size = state[0].numel()
     rows = slots.shape[0] + (0 if captures is None else captures.slots.shape[0])
     capture_chunks, capture_slots = (
